@@ -1,0 +1,55 @@
+// Argument checking and layout planning shared by the CPU and CUDA backends.
+//
+// Every check an op makes lives here and runs before the backend writes a byte of x, so an
+// op that raises leaves x exactly as it was. The backends receive a plan that is known to be
+// valid and only dispatch on dtype and launch.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <optional>
+
+#include "kernels/row_layout.h"
+
+namespace mti {
+
+struct MatmulPlan {
+  RowLayout x;     // rows of K elements, col_stride == 1
+  int64_t k = 0;
+  at::Tensor weight;  // (K, K), contiguous
+  std::optional<at::Tensor> bias;  // (K,), contiguous
+};
+
+struct SoftmaxPlan {
+  RowLayout x;
+  MaskLayout mask;
+  at::Tensor mask_tensor;  // defined when mask.kind != kNone; data_ptr() is the base of `mask`
+  SoftmaxParams params;
+};
+
+struct NormPlan {
+  RowLayout x;           // rows over the normalized dims, merged into one
+  at::Tensor weight;     // undefined or contiguous with n elements
+  at::Tensor bias;       // undefined or contiguous with n elements
+  bool save_rstd = false;  // rstd has `rows` float32 elements to fill
+};
+
+MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias);
+
+SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, double scale,
+                         const std::optional<at::Tensor>& mask, bool causal, bool log);
+
+// `op` is "layer_norm_" or "rms_norm_"; rms_norm_ passes no bias.
+NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normalized_shape,
+                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                   const at::Tensor& rstd);
+
+// Calls fn(first_row_offset, rows, row_stride) for each run of rows that is one strided
+// matrix (rows x n, leading dimension row_stride), covering every row of `layout` once.
+// Used to hand row blocks to GEMMs, which take a single leading dimension.
+void for_each_matrix(const RowLayout& layout,
+                     const std::function<void(int64_t offset, int64_t rows, int64_t ld)>& fn);
+
+}  // namespace mti

@@ -1,0 +1,67 @@
+// Torch-free description of "a tensor seen as rows": shared by the CPU kernels, the CUDA
+// kernels and the host code that builds it from an at::Tensor (csrc/common/layout.h).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MTI_HD __host__ __device__ __forceinline__
+#else
+#define MTI_HD inline
+#endif
+
+namespace mti {
+
+// Leading dims that stay after merging the mergeable ones; more than this is refused.
+constexpr int kMaxLeadDims = 8;
+
+// Maps a logical row number (row-major order over the tensor's leading dims, i.e. the order
+// of x.reshape(-1, N)) to the element offset of that row's first element. Rows are
+// enumerated logically, so the causal mask can read the query index as row % q_len whatever
+// the memory layout.
+struct RowIndexer {
+  int ndim = 0;                       // 0: every row starts at offset 0 (a single row)
+  int64_t sizes[kMaxLeadDims] = {};   // outermost first
+  int64_t strides[kMaxLeadDims] = {}; // in elements; 0 for a broadcast (mask) dim
+
+  MTI_HD int64_t offset(int64_t row) const {
+    if (ndim == 1) return row * strides[0];  // the common, fully merged case
+    int64_t off = 0;
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+    for (int i = kMaxLeadDims - 1; i >= 0; --i) {
+      if (i < ndim) {
+        off += (row % sizes[i]) * strides[i];
+        row /= sizes[i];
+      }
+    }
+    return off;
+  }
+};
+
+// x seen as `rows` rows of `n` elements each.
+struct RowLayout {
+  int64_t rows = 0;
+  int64_t n = 0;
+  RowIndexer row;          // row -> offset of its first element
+  int64_t col_stride = 1;  // distance between neighbours in a row (1 on every fast path)
+};
+
+enum class MaskKind : int { kNone = 0, kBool = 1, kAdditive = 2 };
+
+// A mask broadcast to x's shape, walked with x's row numbering.
+struct MaskLayout {
+  MaskKind kind = MaskKind::kNone;
+  RowIndexer row;
+  int64_t col_stride = 0;
+};
+
+struct SoftmaxParams {
+  float scale = 1.f;   // z = x * scale (+ additive mask) before the softmax
+  bool log = false;    // log_softmax instead of softmax
+  bool causal = false; // element (i, j) of the last two dims takes part only if j <= i
+  int64_t q_len = 1;   // size of dim -2; the query index of a row is row % q_len
+};
+
+}  // namespace mti

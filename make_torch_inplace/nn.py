@@ -1,0 +1,1 @@
+"""In-place modules (filled in by the modules work)."""

@@ -1,0 +1,337 @@
+"""Functional API: each op writes its result over its first argument and returns it.
+
+Everything here sits above the dispatcher ops of ``torch.ops.make_torch_inplace`` (schemas in
+csrc/registration.cpp): argument defaults that mirror PyTorch, fake kernels for FakeTensor and
+torch.compile, and autograd. PyTorch refuses autograd formulas registered on mutating ops, so
+autograd goes through ``torch.autograd.Function`` with ``ctx.mark_dirty``; the backward passes
+work from the saved *output*, since the input is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from . import _C  # noqa: F401  (loading the extension registers the ops)
+
+_ops = torch.ops.make_torch_inplace
+
+DEFAULT_WORKSPACE_LIMIT = 64 << 20
+_workspace_limit = DEFAULT_WORKSPACE_LIMIT
+
+
+# --------------------------------------------------------------------------- workspace limit
+
+
+def set_workspace_limit(nbytes: int) -> None:
+    """Sets how many bytes of scratch memory square_matmul_ may borrow (0: none at all)."""
+    global _workspace_limit
+    _workspace_limit = _check_workspace_bytes(nbytes)
+
+
+def get_workspace_limit() -> int:
+    return _workspace_limit
+
+
+@contextlib.contextmanager
+def workspace_limit(nbytes: int) -> Iterator[None]:
+    """Context manager form of set_workspace_limit; restores the previous limit on exit."""
+    previous = _workspace_limit
+    set_workspace_limit(nbytes)
+    try:
+        yield
+    finally:
+        set_workspace_limit(previous)
+
+
+def _check_workspace_bytes(nbytes: int) -> int:
+    nbytes = int(nbytes)
+    if nbytes < 0:
+        raise ValueError(f"workspace limit must be >= 0 bytes, got {nbytes}")
+    return nbytes
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _check_overwritable(op: str, x: torch.Tensor) -> None:
+    # Autograd would refuse this after the kernel ran, with x already overwritten.
+    if torch.is_grad_enabled() and x.is_leaf and x.requires_grad:
+        raise RuntimeError(
+            f"{op}: x is a leaf tensor that requires grad and cannot be overwritten in place; "
+            "pass x.clone() or use the out-of-place PyTorch op"
+        )
+
+
+def _normalized_shape(normalized_shape: int | Sequence[int]) -> list[int]:
+    if isinstance(normalized_shape, int):
+        return [normalized_shape]
+    return [int(s) for s in normalized_shape]
+
+
+def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t as float32 rows of its last normalized elements, for the backward formulas."""
+    return t.reshape(-1, n).float()
+
+
+# --------------------------------------------------------------------------- square matmul
+
+
+def square_matmul_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    transpose: bool = False,
+    workspace_bytes: int | None = None,
+) -> torch.Tensor:
+    """x[..., K] <- x @ weight (+ bias); x @ weight.T with transpose=True. weight is (K, K).
+
+    Scratch memory is bounded by workspace_bytes (default: the global workspace limit); with 0,
+    or when the workspace cannot be allocated, a kernel that needs none is used.
+    """
+    ws = _workspace_limit if workspace_bytes is None else _check_workspace_bytes(workspace_bytes)
+    if torch.is_grad_enabled() and weight.requires_grad:
+        raise RuntimeError(
+            "square_matmul_: weight requires grad, but its gradient needs the input x, which "
+            "this op overwrites. Freeze the weight (weight.requires_grad_(False)), run under "
+            "torch.no_grad()/inference_mode(), or use the out-of-place x @ weight / F.linear"
+        )
+    if _needs_autograd(x, bias):
+        _check_overwritable("square_matmul_", x)
+        return _SquareMatmul.apply(x, weight, bias, transpose, ws)
+    _ops.square_matmul_(x, weight, bias, transpose, ws)
+    return x
+
+
+def linear_(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x <- F.linear(x, weight, bias) for a square weight (nn.Linear's (out, in) layout)."""
+    return square_matmul_(x, weight, bias, transpose=True)
+
+
+class _SquareMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, transpose, workspace_bytes):
+        _ops.square_matmul_(x, weight, bias, transpose, workspace_bytes)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(weight)
+        ctx.transpose = transpose
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # y = x @ W  ->  dx = dy @ W.T;   y = x @ W.T  ->  dx = dy @ W
+            grad_x = grad @ (weight if ctx.transpose else weight.T)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, None, grad_bias, None, None
+
+
+# --------------------------------------------------------------------------- softmax
+
+
+def softmax_(
+    x: torch.Tensor,
+    dim: int = -1,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """x <- softmax(x * scale + mask) over dim, in place.
+
+    mask: bool (True = takes part, as in scaled_dot_product_attention) or float (added),
+    broadcastable to x. causal=True keeps element (i, j) of the last two dims only where
+    j <= i (dim must be -1). A row in which nothing takes part becomes all zeros.
+    """
+    return _softmax("softmax_", x, dim, scale, mask, causal, log=False)
+
+
+def log_softmax_(
+    x: torch.Tensor,
+    dim: int = -1,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """x <- log_softmax(x * scale + mask) over dim, in place. Masked elements become -inf;
+    a row in which nothing takes part becomes all zeros."""
+    return _softmax("log_softmax_", x, dim, scale, mask, causal, log=True)
+
+
+def _softmax(op, x, dim, scale, mask, causal, log):
+    scale = 1.0 if scale is None else float(scale)
+    if mask is not None and mask.dtype != torch.bool and mask.is_floating_point():
+        mask = mask.to(x.dtype)  # an additive mask is read in x's dtype
+    if _needs_autograd(x, mask):
+        _check_overwritable(op, x)
+        return _Softmax.apply(x, dim, scale, mask, causal, log)
+    _ops.softmax_(x, dim, scale, mask, causal, log)
+    return x
+
+
+def _active_elements(y: torch.Tensor, mask: torch.Tensor | None, causal: bool):
+    """Bool tensor, True where an element took part in the softmax (None: all did)."""
+    active = None
+    if mask is not None:
+        active = mask if mask.dtype == torch.bool else mask != float("-inf")
+    if causal:
+        q, k = y.shape[-2], y.shape[-1]
+        tril = torch.ones(q, k, dtype=torch.bool, device=y.device).tril()
+        active = tril if active is None else active & tril
+    return active
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, scale, mask, causal, log):
+        _ops.softmax_(x, dim, scale, mask, causal, log)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, mask)
+        ctx.dim, ctx.scale, ctx.causal, ctx.log = dim, scale, causal, log
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, mask = ctx.saved_tensors
+        y32, g32 = y.float(), grad.float()
+        if ctx.log:
+            grad_z = g32 - y32.exp() * g32.sum(ctx.dim, keepdim=True)
+        else:
+            grad_z = y32 * (g32 - (g32 * y32).sum(ctx.dim, keepdim=True))
+        active = _active_elements(y, mask, ctx.causal)
+        if active is not None:
+            # Masked elements (and whole masked rows, which are constant zeros) have no
+            # gradient; log_softmax's formula alone would give them one.
+            grad_z = grad_z.masked_fill(~active, 0.0)
+        grad_x = (grad_z * ctx.scale).to(y.dtype) if ctx.needs_input_grad[0] else None
+        grad_mask = None
+        if ctx.needs_input_grad[3]:
+            grad_mask = grad_z.sum_to_size(mask.shape).to(mask.dtype)
+        return grad_x, None, None, grad_mask, None, None
+
+
+# --------------------------------------------------------------------------- norms
+
+
+def layer_norm_(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """x <- F.layer_norm(x, normalized_shape, weight, bias, eps), in place.
+
+    The backward pass recovers x_hat = (y - bias) / weight from the output, so gradients lose
+    precision where |weight| is tiny (relative error ~ dtype eps * |y - bias| / |weight|) and
+    are not defined where weight is exactly 0.
+    """
+    shape = _normalized_shape(normalized_shape)
+    if _needs_autograd(x, weight, bias):
+        _check_overwritable("layer_norm_", x)
+        return _Norm.apply(x, shape, weight, bias, float(eps), False)
+    _ops.layer_norm_(x, shape, weight, bias, float(eps), _no_rstd(x))
+    return x
+
+
+def rms_norm_(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """x <- F.rms_norm(x, normalized_shape, weight, eps), in place. eps=None means
+    torch.finfo(x.dtype).eps, as in F.rms_norm. Backward precision as for layer_norm_."""
+    shape = _normalized_shape(normalized_shape)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps if x.is_floating_point() else 0.0
+    if _needs_autograd(x, weight):
+        _check_overwritable("rms_norm_", x)
+        return _Norm.apply(x, shape, weight, None, float(eps), True)
+    _ops.rms_norm_(x, shape, weight, float(eps), _no_rstd(x))
+    return x
+
+
+def _no_rstd(x: torch.Tensor) -> torch.Tensor:
+    # An empty rstd tells the kernel not to save row statistics (inference needs none).
+    return torch.empty(0, dtype=torch.float32, device=x.device)
+
+
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shape, weight, bias, eps, rms):
+        n = 1
+        for s in shape:
+            n *= s
+        rows = x.numel() // n if n else 0
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        if rms:
+            _ops.rms_norm_(x, shape, weight, eps, rstd)
+        else:
+            _ops.layer_norm_(x, shape, weight, bias, eps, rstd)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, weight, bias, rstd)
+        ctx.shape, ctx.n, ctx.rms = shape, n, rms
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weight, bias, rstd = ctx.saved_tensors
+        n = ctx.n
+        y32, g32 = _rows_view(y, n), _rows_view(grad, n)
+        w32 = weight.reshape(n).float() if weight is not None else None
+        x_hat = y32 if bias is None else y32 - bias.reshape(n).float()
+        if w32 is not None:
+            # Where weight is exactly 0, x_hat cannot be recovered; 0 keeps the result finite.
+            x_hat = torch.where(w32 != 0, x_hat / w32, torch.zeros_like(x_hat))
+        g_hat = g32 * w32 if w32 is not None else g32
+        proj = (g_hat * x_hat).mean(-1, keepdim=True)
+        if ctx.rms:
+            grad_x = rstd[:, None] * (g_hat - x_hat * proj)
+        else:
+            grad_x = rstd[:, None] * (g_hat - g_hat.mean(-1, keepdim=True) - x_hat * proj)
+        grad_x = grad_x.to(y.dtype).reshape(y.shape) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
+        if weight is not None and ctx.needs_input_grad[2]:
+            grad_w = (g32 * x_hat).sum(0).reshape(weight.shape).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[3]:
+            grad_b = g32.sum(0).reshape(bias.shape).to(bias.dtype)
+        return grad_x, None, grad_w, grad_b, None, None
+
+
+# --------------------------------------------------------------------------- fake kernels
+# The ops return nothing and only write x (and rstd), so their fake kernels have nothing to
+# compute; they exist so FakeTensor and torch.compile can trace the ops.
+
+
+@torch.library.register_fake("make_torch_inplace::square_matmul_")
+def _square_matmul_fake(x, weight, bias, transpose, workspace_bytes):
+    return None
+
+
+@torch.library.register_fake("make_torch_inplace::softmax_")
+def _softmax_fake(x, dim, scale, mask, causal, log):
+    return None
+
+
+@torch.library.register_fake("make_torch_inplace::layer_norm_")
+def _layer_norm_fake(x, normalized_shape, weight, bias, eps, rstd):
+    return None
+
+
+@torch.library.register_fake("make_torch_inplace::rms_norm_")
+def _rms_norm_fake(x, normalized_shape, weight, eps, rstd):
+    return None

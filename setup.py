@@ -1,0 +1,71 @@
+"""Build make_torch_inplace._C: the C++ ops always, the CUDA ops when torch has CUDA and nvcc exists.
+
+Whether to build CUDA is decided by the toolchain (torch.version.cuda and CUDA_HOME), never by
+torch.cuda.is_available(): a build machine may have no GPU.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# sm_75..sm_90 machine code plus PTX for the newest, unless the builder names its own list.
+DEFAULT_ARCH_LIST = "7.5;8.0;8.6;8.9;9.0+PTX"
+
+
+def sources(*patterns):
+    return sorted(p for pat in patterns for p in glob.glob(os.path.join("csrc", pat)))
+
+
+def make_extension():
+    cxx_flags = ["-O3", "-std=c++17"]
+    common = sources("registration.cpp", "common/*.cpp", "cpu/*.cpp")
+    with_cuda = torch_has_cuda() and cpp_extension.CUDA_HOME is not None
+    if os.environ.get("MTI_FORCE_CPU", "0") == "1":
+        with_cuda = False
+    if not with_cuda:
+        return cpp_extension.CppExtension(
+            "make_torch_inplace._C",
+            common,
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args={"cxx": cxx_flags},
+        )
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    nvcc_flags = [
+        "-O3",
+        "-std=c++17",
+        "--expt-relaxed-constexpr",
+        # Fast-math is safe here: the kernels use expf/rsqrtf on fp32 accumulators whose
+        # approximate forms stay far inside bf16/fp16 rounding, and no kernel relies on
+        # denormals or IEEE division corner cases.
+        "--use_fast_math",
+        "-lineinfo",
+    ]
+    return cpp_extension.CUDAExtension(
+        "make_torch_inplace._C",
+        common + sources("cuda/*.cu", "kernels/*.cu"),
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=[("MTI_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+    )
+
+
+def torch_has_cuda():
+    import torch
+
+    return torch.version.cuda is not None
+
+
+setup(
+    name="make-torch-inplace",
+    version="0.1.0",
+    description="In-place transformer ops (square matmul, softmax, LayerNorm, RMSNorm) for PyTorch",
+    license="Apache-2.0",
+    packages=find_packages(include=["make_torch_inplace", "make_torch_inplace.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4"],
+    ext_modules=[make_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    zip_safe=False,
+)
