@@ -1,7 +1,6 @@
 // CPU square_matmul_: row chunks through ATen's GEMM into a bounded workspace, each chunk
 // copied back over its rows; without a workspace, one row at a time through a row buffer.
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
 #include <vector>
@@ -14,10 +13,12 @@ namespace {
 
 // y[j] = sum_k row[k] * W[k, j] (or W[j, k] when transposed) + bias[j], written over row.
 // The row is first read into a buffer, so writing the outputs cannot disturb the inputs.
+// Sums run in double: a sequential fp32 dot product of K terms errs several times more than
+// the blocked GEMM of the workspace path (10x at K = 4097).
 template <typename scalar_t>
 void matmul_rows_no_workspace(scalar_t* x, const RowLayout& L, const scalar_t* w,
                               const scalar_t* bias, bool transpose) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = double;
   const int64_t k = L.n;
   at::parallel_for(0, L.rows, std::max<int64_t>(1, 4096 / k), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> in(k), out(k);
