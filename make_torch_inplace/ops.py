@@ -61,10 +61,12 @@ def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
 
 
 def _check_overwritable(op: str, x: torch.Tensor) -> None:
-    # Autograd would refuse this after the kernel ran, with x already overwritten.
-    if torch.is_grad_enabled() and x.is_leaf and x.requires_grad:
+    # Autograd would refuse this only after the kernel ran, with x already overwritten.
+    base = x if x._base is None else x._base
+    if torch.is_grad_enabled() and base.is_leaf and base.requires_grad:
         raise RuntimeError(
-            f"{op}: x is a leaf tensor that requires grad and cannot be overwritten in place; "
+            f"{op}: x is a leaf tensor that requires grad (or a view of one) and cannot be "
+            "overwritten in place; "
             "pass x.clone() or use the out-of-place PyTorch op"
         )
 

@@ -10,8 +10,9 @@ namespace {
 
 void check_float_dtype(const char* op, const char* name, const at::Tensor& t) {
   const auto dt = t.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op, ": ", name,
-              " must be float32, float16 or bfloat16, got ", dt);
+  // float64 is accepted for gradcheck; the CUDA backend refuses it in its dtype dispatch.
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kDouble,
+              op, ": ", name, " must be float32, float16, bfloat16 (or float64 on CPU), got ", dt);
 }
 
 void check_like_x(const char* op, const char* name, const at::Tensor& x, const at::Tensor& t) {
