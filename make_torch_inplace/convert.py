@@ -109,7 +109,7 @@ class ConvertedModule(nn.Module):
             return self._compiled_call(*args, **kwargs)
 
     def _backend(self, gm: fx.GraphModule, example_inputs) -> Callable:
-        sites = rewrite_graph(gm, report=print if self.verbose else None)
+        sites = _rewrite_graph(gm, report=print if self.verbose else None)
         self.sites.extend(sites)
         return gm.forward
 
@@ -132,14 +132,14 @@ def _check_no_autograd(module: nn.Module, args, kwargs) -> None:
 # --------------------------------------------------------------------------- graph rewriting
 
 
-def rewrite_graph(gm: fx.GraphModule, report: Callable[[str], None] | None = None) -> list[Site]:
+def _rewrite_graph(gm: fx.GraphModule, report: Callable[[str], None] | None = None) -> list[Site]:
     """Rewrites a Dynamo graph in place (see the module docstring); returns the sites."""
     blocker = _unanalyzable_node(gm.graph)
     if blocker is not None:
         if report:
             report(
-                f"mti.convert: graph left unchanged: node {blocker.name} ({blocker.target}) "
-                "has no example value, so its aliasing is unknown"
+                f"mti.convert: graph left unchanged: the aliasing of node {blocker.name} "
+                f"({blocker.target}) is unknown (no example value, or not a strided tensor)"
             )
         return []
     rewriter = _Rewriter(gm.graph)
@@ -149,8 +149,7 @@ def rewrite_graph(gm: fx.GraphModule, report: Callable[[str], None] | None = Non
         if _match(node, ("softmax", "log_softmax")):
             rewriter.softmax(node)
     for node in list(gm.graph.nodes):
-        if node.graph is gm.graph:  # not erased by an earlier rewrite
-            rewriter.other(node)
+        rewriter.other(node)
     gm.graph.lint()
     gm.recompile()
     if report:
@@ -250,6 +249,7 @@ class _Rewriter:
                 and (mask is None or _mask_ok(_tensor(mask), t))
                 and self.live.dead_after(base, pos)
                 and self.live.disjoint(base, [mask])
+                and self._unread_between(folded, node, [base, mask])
             ):
                 kwargs = {"dim": dim}
                 if scale is not None:
@@ -265,6 +265,20 @@ class _Rewriter:
                 )
                 self._site(fn, pattern, node, result)
                 return
+
+    def _unread_between(self, folded: list[fx.Node], node: fx.Node, operands) -> bool:
+        """Folding moves the reads of `operands` from folded[0] to `node`: nothing else may
+        touch (read, hence possibly write) them in between."""
+        if not folded:
+            return True
+        between = folded[0].next
+        while between is not node:
+            if between not in folded and not all(
+                self.live.disjoint(inp, operands) for inp in between.all_input_nodes
+            ):
+                return False
+            between = between.next
+        return True
 
     # ----------------------------------------------------------------- everything else
 
@@ -609,13 +623,24 @@ def _unanalyzable_node(graph: fx.Graph) -> fx.Node | None:
             for t in pytree.tree_leaves(value)
         ):
             return node
-        if (
-            node.op.startswith("call_")
-            and "example_value" not in node.meta
-            and any(_storages(inp) for inp in node.all_input_nodes)
+        if "example_value" not in node.meta and (
+            node.op == "get_attr"
+            or (
+                node.op.startswith("call_")
+                and not _returns_nothing(node.target)
+                and any(map(_storages, node.all_input_nodes))
+            )
         ):
             return node
     return None
+
+
+def _returns_nothing(target) -> bool:
+    """A dispatcher op that returns nothing (it only mutates its arguments, like ours): it
+    has no value to analyse, and its mutations are reads of its inputs at its position."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return all(not getattr(target, o)._schema.returns for o in target.overloads())
+    return isinstance(target, torch._ops.OpOverload) and not target._schema.returns
 
 
 def _same(a, b) -> bool:
