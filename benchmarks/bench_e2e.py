@@ -166,12 +166,14 @@ def run_model(name: str, seqs: list[int], size: Size, device, dtype, env) -> lis
     for attn in ATTNS:
         model = build(name, attn, size, device, dtype)
         converted = mti.convert(model)
-        cases = [(1, s) for s in seqs] + [(EXTRA_BATCH, s) for s in seqs if s <= EXTRA_BATCH_MAX_SEQ]
+        cases = [(1, s) for s in seqs]
+        cases += [(EXTRA_BATCH, s) for s in seqs if s <= EXTRA_BATCH_MAX_SEQ]
         for batch, seq in cases:
             inputs = make_inputs(name, batch, seq, size, device, dtype)
             base = None
             for variant, module in ((attn, model), (f"{attn}+convert", converted)):
-                def fn(module=module):
+
+                def fn(module=module, inputs=inputs):
                     with torch.inference_mode():
                         return module(*inputs)
 

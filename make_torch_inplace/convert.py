@@ -14,8 +14,12 @@ its in-place form when the tensor it would overwrite is dead there:
   any of them (graph outputs included). An op's other operands must not share the group.
 - The written tensor must already have the output's shape, strides and dtype, so every later
   node sees the layout it was traced with.
-- Graphs are only rewritten for inference: autograd would save tensors that a later in-place
-  op overwrites, so the converted model refuses to run where autograd records.
+- Folding ops into one (the scale and mask into softmax) moves reads of their operands to the
+  folded op's position; nothing may touch those operands in between.
+- A graph with a value whose aliasing is unknown (a call without an example value, a
+  non-strided tensor) is left unchanged. Our own ops, which return nothing, count as reads.
+- Inference only: autograd would save tensors that a later in-place op overwrites, so the
+  converted model refuses to run where autograd records.
 
 Patterns: F.linear / addmm / matmul with a square weight (-> linear_ / square_matmul_),
 softmax / log_softmax with the scale and additive mask that feed them folded in
@@ -80,7 +84,10 @@ class Site:
     where: str  # module path and source line of the original op
     shape: tuple[int, ...]  # output shape (size hints for dynamic dims)
     dtype: torch.dtype
-    nbytes: int  # bytes of the output the original op allocated, which it no longer does
+    # Bytes of the output the original op allocated, which it no longer does. A square
+    # matmul borrows up to the workspace limit (mti.set_workspace_limit) while it runs, so
+    # its net saving is nbytes minus that.
+    nbytes: int
 
     def __str__(self) -> str:
         shape = "x".join(map(str, self.shape))
@@ -97,20 +104,32 @@ class ConvertedModule(nn.Module):
     def __init__(self, module: nn.Module, verbose: bool = False) -> None:
         super().__init__()
         self.module = module
-        self.verbose = verbose
-        self.sites: list[Site] = []
+        self._backend = _Backend(verbose)
         # A bound method, not the OptimizedModule torch.compile(module) would return, so the
         # parameters are registered once (under self.module).
         self._compiled_call = torch.compile(module.__call__, backend=self._backend)
+
+    @property
+    def sites(self) -> list[Site]:
+        """Every site rewritten so far, over all captured graphs and recompilations."""
+        return self._backend.sites
 
     def forward(self, *args, **kwargs):
         _check_no_autograd(self.module, args, kwargs)
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
             return self._compiled_call(*args, **kwargs)
 
-    def _backend(self, gm: fx.GraphModule, example_inputs) -> Callable:
-        sites = _rewrite_graph(gm, report=print if self.verbose else None)
-        self.sites.extend(sites)
+
+class _Backend:
+    """The torch.compile backend of one converted module. Dynamo's caches keep it alive, so
+    it holds no reference to the module (whose parameters reach the graphs as inputs)."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose
+        self.sites: list[Site] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
+        self.sites.extend(_rewrite_graph(gm, report=print if self.verbose else None))
         return gm.forward
 
 

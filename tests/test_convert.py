@@ -327,14 +327,17 @@ class _LastHiddenState(nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
-def test_transformers(kind, attn):
+def test_transformers(kind, attn, device):
     model, config = _hf_model(kind, attn)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 9:] = 0  # padding: the eager attention adds a mask
-    converted = check_converted(_LastHiddenState(model), ids, mask)
+    converted = check_converted(
+        _LastHiddenState(model).to(device), ids.to(device), mask.to(device)
+    )
     sites = converted.sites
     layers = config.num_hidden_layers
     softmaxes = [s for s in sites if s.op == "softmax_"]
