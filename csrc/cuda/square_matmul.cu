@@ -9,8 +9,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-
 #include "common/plans.h"
 #include "cuda/cuda_ops.h"
 #include "cuda/dispatch.h"
@@ -36,61 +34,20 @@ void run_zero_workspace(const at::Tensor& x, const MatmulPlan& plan, bool transp
       plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, transpose, stream));
 }
 
-template <typename scalar_t>
-void run(const at::Tensor& x, const MatmulPlan& plan, bool transpose, int64_t workspace_bytes,
-         cudaStream_t stream) {
-  const int64_t rows = plan.x.rows, k = plan.k;
-  if (rows == 0) return;  // also K == 0
-
-  // Rows per GEMM: as many as the workspace holds. One allocation per call, from the caching
-  // allocator (so it counts in torch.cuda.max_memory_allocated).
-  const int64_t chunk = std::min(rows, workspace_bytes / (k * x.element_size()));
-  if (chunk < 1) {
-    run_zero_workspace<scalar_t>(x, plan, transpose, stream,
-                                 "workspace_bytes is smaller than one row");
-    return;
-  }
-  at::Tensor ws;
-  try {
-    ws = at::empty({chunk, k}, x.options());
-  } catch (const c10::OutOfMemoryError&) {
-    // Nothing is written yet, so falling back leaves no partial result behind.
-    run_zero_workspace<scalar_t>(x, plan, transpose, stream,
-                                 "the workspace could not be allocated");
-    return;
-  }
-
-  const at::Tensor wv = transpose ? plan.weight.t() : plan.weight;
-  // [rows_i, K] blocks of x with leading dimension ld; each chunk: ws[:r] = x_chunk @ Wv
-  // (+ bias, as addmm's 1-D self: cuBLASLt's bias epilogue), then x_chunk = ws[:r].
-  for_each_matrix(plan.x, [&](int64_t offset, int64_t block_rows, int64_t ld) {
-    for (int64_t r0 = 0; r0 < block_rows; r0 += chunk) {
-      const int64_t r = std::min(chunk, block_rows - r0);
-      const at::Tensor xc = x.as_strided({r, k}, {ld, 1}, x.storage_offset() + offset + r0 * ld);
-      at::Tensor out = ws.narrow(0, 0, r);
-      if (plan.bias)
-        at::addmm_out(out, *plan.bias, xc, wv);
-      else
-        at::mm_out(out, xc, wv);
-      xc.copy_(out);
-    }
-  });
-}
-
 }  // namespace
 
 void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias, bool transpose,
                     int64_t workspace_bytes) {
-  TORCH_CHECK_VALUE(workspace_bytes >= 0, "square_matmul_: workspace_bytes must be >= 0, got ",
-                    workspace_bytes);
-  const MatmulPlan plan = plan_square_matmul(x, weight, bias);
+  const MatmulPlan plan = plan_square_matmul(x, weight, bias, workspace_bytes);
+  if (plan.x.rows == 0) return;  // also K == 0
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // The dispatch also refuses float64 (which the plan accepts for the CPU's gradcheck) on
   // every path, before anything is written.
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
-    run<scalar_t>(x, plan, transpose, workspace_bytes, stream);
+    if (const char* why = square_matmul_with_workspace(x, plan, transpose, workspace_bytes))
+      run_zero_workspace<scalar_t>(x, plan, transpose, stream, why);
   });
 }
 
