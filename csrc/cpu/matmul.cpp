@@ -46,37 +46,13 @@ void matmul_rows_no_workspace(scalar_t* x, const RowLayout& L, const scalar_t* w
 void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias, bool transpose,
                     int64_t workspace_bytes) {
-  TORCH_CHECK_VALUE(workspace_bytes >= 0, "square_matmul_: workspace_bytes must be >= 0, got ",
-                    workspace_bytes);
-  const MatmulPlan plan = plan_square_matmul(x, weight, bias);
-  const int64_t k = plan.k, rows = plan.x.rows;
-  if (rows == 0 || k == 0) return;
-
-  const int64_t chunk = std::min(rows, workspace_bytes / (k * x.element_size()));
-  if (chunk == 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "square_matmul_",
-                                    [&] {
-                                      matmul_rows_no_workspace<scalar_t>(
-                                          x.data_ptr<scalar_t>(), plan.x,
-                                          plan.weight.const_data_ptr<scalar_t>(),
-                                          plan.bias ? plan.bias->const_data_ptr<scalar_t>() : nullptr,
-                                          transpose);
-                                    });
-    return;
-  }
-  const at::Tensor w = transpose ? plan.weight.t() : plan.weight;
-  at::Tensor workspace = at::empty({chunk, k}, x.options());
-  for_each_matrix(plan.x, [&](int64_t offset, int64_t block_rows, int64_t ld) {
-    for (int64_t r0 = 0; r0 < block_rows; r0 += chunk) {
-      const int64_t r = std::min(chunk, block_rows - r0);
-      at::Tensor xs = x.as_strided({r, k}, {ld, 1}, x.storage_offset() + offset + r0 * ld);
-      at::Tensor out = workspace.narrow(0, 0, r);
-      if (plan.bias)
-        at::addmm_out(out, *plan.bias, xs, w);
-      else
-        at::mm_out(out, xs, w);
-      xs.copy_(out);
-    }
+  const MatmulPlan plan = plan_square_matmul(x, weight, bias, workspace_bytes);
+  if (plan.x.rows == 0) return;  // also K == 0
+  if (square_matmul_with_workspace(x, plan, transpose, workspace_bytes) == nullptr) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "square_matmul_", [&] {
+    matmul_rows_no_workspace<scalar_t>(
+        x.data_ptr<scalar_t>(), plan.x, plan.weight.const_data_ptr<scalar_t>(),
+        plan.bias ? plan.bias->const_data_ptr<scalar_t>() : nullptr, transpose);
   });
 }
 

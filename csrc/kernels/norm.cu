@@ -1,0 +1,232 @@
+// LayerNorm and RMSNorm over rows, written over the input: the op functors for the row-wise
+// framework in kernels/rowwise.cuh, and their launchers.
+#include "kernels/norm.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/rowwise.cuh"
+
+namespace mti {
+namespace {
+
+// (count, mean, sum of squared deviations from the mean) of a set of values. Each thread's
+// chunk is reduced exactly, in two passes over its registers; chunks are merged with Chan et
+// al.'s pairwise update, which stays accurate when |mean| >> std (unlike sum and sum of
+// squares).
+struct MeanM2 {
+  float n, mean, m2;
+
+  static __device__ __forceinline__ MeanM2 identity() { return {0.f, 0.f, 0.f}; }
+
+  static __device__ __forceinline__ MeanM2 combine(const MeanM2& a, const MeanM2& b) {
+    if (a.n == 0.f) return b;
+    if (b.n == 0.f) return a;
+    // Forms symmetric in (a, b), and _rn intrinsics against FMA contraction: the bits must
+    // not depend on argument order (see kernels/reduce.cuh).
+    const float n = __fadd_rn(a.n, b.n);
+    const float delta = b.mean - a.mean;
+    const float mean =
+        __fdividef(__fadd_rn(__fmul_rn(a.n, a.mean), __fmul_rn(b.n, b.mean)), n);
+    const float m2 = __fadd_rn(__fadd_rn(a.m2, b.m2), __fmul_rn(__fmul_rn(delta, delta),
+                                                                __fdividef(__fmul_rn(a.n, b.n), n)));
+    return {n, mean, m2};
+  }
+
+  template <class F>
+  __device__ __forceinline__ MeanM2 map(F f) const {
+    return {f(n), f(mean), f(m2)};
+  }
+};
+
+struct SumSq {
+  float ss;
+
+  static __device__ __forceinline__ SumSq identity() { return {0.f}; }
+  static __device__ __forceinline__ SumSq combine(const SumSq& a, const SumSq& b) {
+    return {a.ss + b.ss};
+  }
+  template <class F>
+  __device__ __forceinline__ SumSq map(F f) const {
+    return {f(ss)};
+  }
+};
+
+// Per-column parameter (weight, bias) as floats; `absent` where the parameter is not given.
+// Parameters are contiguous; VEC > 1 implies they are 16-byte aligned.
+template <int VEC, typename T>
+__device__ __forceinline__ void load_param(float (&p)[VEC], const T* src, int64_t c0, int cnt,
+                                           float absent) {
+  if (src == nullptr) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p[j] = absent;
+  } else if (cnt == VEC) {
+    const Packed<T, VEC> raw = *reinterpret_cast<const Packed<T, VEC>*>(src + c0);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p[j] = to_float(raw.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p[j] = j < cnt ? to_float(src[c0 + j]) : absent;
+  }
+}
+
+// What LayerNorm and RMSNorm share: rows read as they are, statistics folded into one rstd per
+// row that may be saved, a per-column weight.
+template <typename T, class S>
+struct NormOpBase {
+  using State = S;
+  static constexpr float kPad = 0.f;
+  template <int VEC>
+  using Aux = NoAux;
+
+  const T* weight;
+  float* rstd_out;
+  float eps;
+  int64_t n;
+
+  struct Row {
+    int64_t load_end;
+  };
+  __device__ __forceinline__ Row row(int64_t) const { return {n}; }
+
+  template <int VEC>
+  __device__ __forceinline__ void load_aux(Aux<VEC>&, const Row&, int64_t, int) const {}
+  template <int VEC>
+  __device__ __forceinline__ void prepare(float (&)[VEC], const Aux<VEC>&, int) const {}
+
+  template <class Fin>
+  __device__ __forceinline__ const Fin& out(const Fin& f, const S&) const {
+    return f;
+  }
+  template <class Fin>
+  __device__ __forceinline__ void save(int64_t r, const Fin& f) const {
+    if (rstd_out != nullptr) rstd_out[r] = f.rstd;
+  }
+};
+
+template <typename T>
+struct LayerNormOp : NormOpBase<T, MeanM2> {
+  const T* bias;
+
+  template <int NV, int VEC, class Valid>
+  __device__ __forceinline__ MeanM2 local(float (&z)[NV][VEC], Valid valid) const {
+    float sum = 0.f, cnt = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+        if (valid(k, j)) {
+          sum += z[k][j];
+          cnt += 1.f;
+        }
+    if (cnt == 0.f) return MeanM2::identity();
+    const float mean = __fdividef(sum, cnt);
+    float m2 = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+        if (valid(k, j)) {
+          const float d = z[k][j] - mean;
+          m2 = fmaf(d, d, m2);
+        }
+    return {cnt, mean, m2};
+  }
+
+  struct Fin {
+    float mean, rstd;
+  };
+  using Out = Fin;
+
+  __device__ __forceinline__ Fin finish(const MeanM2& t) const {
+    // Biased, as F.layer_norm.
+    const float var = fmaxf(__fdividef(t.m2, static_cast<float>(this->n)), 0.f);
+    return {t.mean, rsqrtf(var + this->eps)};
+  }
+
+  template <int VEC>
+  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t c0,
+                                         int cnt) const {
+    float w[VEC], b[VEC];
+    load_param<VEC>(w, this->weight, c0, cnt, 1.f);
+    load_param<VEC>(b, bias, c0, cnt, 0.f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] = fmaf((v[j] - o.mean) * o.rstd, w[j], b[j]);
+  }
+};
+
+template <typename T>
+struct RmsNormOp : NormOpBase<T, SumSq> {
+  // Unread columns are 0 and add nothing, so `valid` is not needed.
+  template <int NV, int VEC, class Valid>
+  __device__ __forceinline__ SumSq local(float (&z)[NV][VEC], Valid) const {
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) ss = fmaf(z[k][j], z[k][j], ss);
+    return {ss};
+  }
+
+  struct Fin {
+    float rstd;
+  };
+  using Out = Fin;
+
+  __device__ __forceinline__ Fin finish(const SumSq& t) const {
+    return {rsqrtf(__fdividef(t.ss, static_cast<float>(this->n)) + this->eps)};
+  }
+
+  template <int VEC>
+  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t c0,
+                                         int cnt) const {
+    float w[VEC];
+    load_param<VEC>(w, this->weight, c0, cnt, 1.f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] = v[j] * o.rstd * w[j];
+  }
+};
+
+// Vector accesses need x's rows and the per-column parameters 16-byte aligned.
+template <typename T>
+bool norm_vectorizable(const T* x, const RowLayout& layout, const T* weight, const T* bias) {
+  return layout.col_stride == 1 && rows_aligned(x, layout.row, sizeof(T), 16) &&
+         ptr_aligned(weight, 16) && ptr_aligned(bias, 16);
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t launch_layer_norm(T* x, const RowLayout& layout, const T* weight, const T* bias,
+                              float eps, float* rstd_out, cudaStream_t stream) {
+  LayerNormOp<T> op;
+  op.weight = weight;
+  op.bias = bias;
+  op.rstd_out = rstd_out;
+  op.eps = eps;
+  op.n = layout.n;
+  return launch_rows(x, layout, op, norm_vectorizable(x, layout, weight, bias), stream);
+}
+
+template <typename T>
+cudaError_t launch_rms_norm(T* x, const RowLayout& layout, const T* weight, float eps,
+                            float* rstd_out, cudaStream_t stream) {
+  RmsNormOp<T> op;
+  op.weight = weight;
+  op.rstd_out = rstd_out;
+  op.eps = eps;
+  op.n = layout.n;
+  return launch_rows(x, layout, op, norm_vectorizable<T>(x, layout, weight, nullptr), stream);
+}
+
+#define MTI_INSTANTIATE_NORMS(T)                                                            \
+  template cudaError_t launch_layer_norm<T>(T*, const RowLayout&, const T*, const T*, float, \
+                                            float*, cudaStream_t);                          \
+  template cudaError_t launch_rms_norm<T>(T*, const RowLayout&, const T*, float, float*,     \
+                                          cudaStream_t);
+MTI_INSTANTIATE_NORMS(float)
+MTI_INSTANTIATE_NORMS(__half)
+MTI_INSTANTIATE_NORMS(__nv_bfloat16)
+#undef MTI_INSTANTIATE_NORMS
+
+}  // namespace mti

@@ -1,0 +1,161 @@
+// All-reductions of per-thread partial states over the threads that share one row: a group of
+// lanes inside a warp, a whole CTA, or a cluster of CTAs linked by distributed shared memory
+// (sm_90+). Shared by the softmax and norm kernels through kernels/rowwise.cuh.
+//
+// A reduction state S is a trivially constructible struct of floats providing
+//   static S identity();
+//   static S combine(const S& a, const S& b);
+//   template <class F> S map(F f) const;   // f applied to every field
+// combine must give bitwise the same result for (a, b) and (b, a). The xor butterfly below
+// pairs every lane with a partner that combines the same two states in the other order, so
+// commutativity is what leaves identical bits in every lane, and with them identical row
+// statistics in every thread that writes part of the row.
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include "kernels/common.cuh"
+
+namespace mti {
+
+constexpr int kWarpSize = 32;
+constexpr int kMaxThreads = 256;  // largest CTA of the row-wise kernels
+constexpr int kMaxWarps = kMaxThreads / kWarpSize;
+constexpr int kMaxCluster = 16;   // 16 needs the non-portable cluster size opt-in (sm_90)
+
+// Reduces over aligned groups of `width` lanes (a power of two <= 32); every lane of the warp
+// must call it, and every lane ends with its group's total.
+template <class S>
+__device__ __forceinline__ S warp_allreduce(S s, int width) {
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+    const S other =
+        s.map([offset](float v) { return __shfl_xor_sync(0xffffffffu, v, offset); });
+    s = S::combine(s, other);
+  }
+  return s;
+}
+
+// Reduces the per-warp totals of a CTA that works on a single row; every thread must call it
+// with its warp's total and gets the CTA total. `buf` (kMaxWarps states) must not be in use
+// by the previous call: callers alternate two buffers, and the __syncthreads of the previous
+// call on the other buffer orders each read of this one before its next overwrite.
+template <class S>
+__device__ __forceinline__ S cta_allreduce(const S& warp_total, S* buf) {
+  if (threadIdx.x % kWarpSize == 0) buf[threadIdx.x / kWarpSize] = warp_total;
+  __syncthreads();
+  S total = buf[0];
+  const int warps = blockDim.x / kWarpSize;
+  for (int w = 1; w < warps; ++w) total = S::combine(total, buf[w]);
+  return total;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MTI_CLUSTER_CODE 1
+#endif
+
+// Full cluster barrier with release/acquire semantics. Its release costs a GPU-scope fence
+// (MEMBAR.ALL.GPU, which waits for the thread's outstanding global stores), so it is used only
+// at kernel start (every CTA must have started, and initialized its mbarriers, before another
+// writes to its shared memory) and end; per-row exchanges go through mbarriers instead.
+__device__ __forceinline__ void cluster_sync() {
+#ifdef MTI_CLUSTER_CODE
+  cooperative_groups::this_cluster().sync();
+#else
+  __trap();  // the launchers use clusters only for kernels compiled for sm_90+
+#endif
+}
+
+// Shared memory of the cluster reduction, double-buffered by row parity: CTA `rank` writes its
+// total into slots[p][rank] of every CTA of the cluster with st.async, whose completion
+// counts bytes down on the receiving CTA's mbarrier full[p]; a CTA's phase of full[p]
+// completes once all `cluster` totals have landed, and the data is then visible to the
+// threads that waited on it. No CTA can write a buffer twice before its owner has read it:
+// to reach row r + 2, a CTA must have received everyone's row r + 1 totals, and each CTA
+// sends those only after all its threads have read their row r totals (a __syncthreads of
+// the CTA reduction lies in between).
+template <class S>
+struct ClusterExchange {
+  S slots[2][kMaxCluster];
+  uint64_t full[2];
+};
+
+#ifdef MTI_CLUSTER_CODE
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The address of the same shared-memory location in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t map_to_rank(uint32_t address, int rank) {
+  uint32_t mapped;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(mapped) : "r"(address), "r"(rank));
+  return mapped;
+}
+#endif
+
+// Called by every thread once before the first exchange, followed by cluster_sync().
+template <class S>
+__device__ __forceinline__ void cluster_exchange_init(ClusterExchange<S>& ex) {
+#ifdef MTI_CLUSTER_CODE
+  if (threadIdx.x == 0) {
+    for (int p = 0; p < 2; ++p)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&ex.full[p])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+#else
+  __trap();
+#endif
+}
+
+// Reduces the CTA totals of a cluster that works on a single row; every thread of every CTA
+// calls it with its CTA's total and gets the cluster total (folded in rank order, so the
+// same bits everywhere). `use` counts the calls so far: it picks the buffer (use % 2) and the
+// mbarrier phase to wait for (use / 2 % 2).
+template <class S>
+__device__ __forceinline__ S cluster_allreduce(const S& cta_total, ClusterExchange<S>& ex,
+                                               unsigned use, int rank, int cluster) {
+#ifdef MTI_CLUSTER_CODE
+  constexpr int kWords = sizeof(S) / sizeof(float);
+  static_assert(sizeof(S) == kWords * sizeof(float), "a state is a struct of floats");
+  const unsigned p = use % 2;
+  const uint32_t full = shared_address(&ex.full[p]);
+  if (threadIdx.x == 0) {
+    uint64_t state;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
+                 : "=l"(state)
+                 : "r"(full), "r"(static_cast<uint32_t>(cluster * sizeof(S)))
+                 : "memory");
+  }
+  if (static_cast<int>(threadIdx.x) < cluster) {
+    const uint32_t slot = map_to_rank(shared_address(&ex.slots[p][rank]), threadIdx.x);
+    const uint32_t remote_full = map_to_rank(full, threadIdx.x);
+    float words[kWords];
+    memcpy(words, &cta_total, sizeof(S));
+#pragma unroll
+    for (int i = 0; i < kWords; ++i)
+      asm volatile(
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+              slot + i * 4u),
+          "r"(__float_as_uint(words[i])), "r"(remote_full)
+          : "memory");
+  }
+  const unsigned phase = (use / 2) % 2;
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred ready;\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, ready;\n}"
+        : "=r"(done)
+        : "r"(full), "r"(phase)
+        : "memory");
+  } while (done == 0);
+  S total = ex.slots[p][0];
+  for (int r = 1; r < cluster; ++r) total = S::combine(total, ex.slots[p][r]);
+  return total;
+#else
+  __trap();
+  return cta_total;
+#endif
+}
+
+}  // namespace mti

@@ -1,0 +1,491 @@
+// The framework shared by the row-wise ops (softmax/log_softmax, LayerNorm, RMSNorm): a row is
+// read into registers, reduced to a per-row state, transformed and written back over itself.
+// The op-specific part is a functor (the "Op" below); this file owns memory access, the mapping
+// of threads to rows, the reductions and the choice of launch configuration.
+//
+// Paths (RowPath), chosen by launch_rows():
+//  - kResident: the row stays in registers from its read to its write, held by a group of <= 32
+//    lanes (several rows per CTA) or by a whole CTA of up to kMaxThreads threads.
+//  - kCluster: the same for longer rows, held by a CTA of exactly kMaxThreads threads or, on
+//    sm_90+, by a cluster of up to 16 of them that reduce over distributed shared memory.
+//  - kStream: rows too long for the above: the row is read once to reduce and once more to
+//    write.
+// With col_stride 1 and 16-byte aligned rows (and weight/bias) every access moves 16 bytes
+// (VEC elements); anything else (col_stride != 1, unaligned rows, odd N) runs the same paths
+// with VEC = 1, element by element.
+//
+// Op concept (see kernels/softmax.cu and kernels/norm.cu):
+//   using State;                    reduction state, see kernels/reduce.cuh
+//   static constexpr float kPad;    value of a column that is not read: past the row's end or
+//                                   past its causal limit. local() must treat it as absent.
+//   struct Row { int64_t load_end; ... };   per-row context; columns >= load_end are not read
+//   Row row(int64_t r) const;
+//   template <int VEC> using Aux;   per-vector side input read along with x (mask values)
+//   void load_aux<VEC>(Aux<VEC>&, const Row&, int64_t c0, int cnt) const;
+//   void prepare<VEC>(float (&v)[VEC], const Aux<VEC>&, int cnt) const;  x -> z, elements < cnt
+//   State local<NV, VEC>(float (&z)[NV][VEC], Valid valid) const;
+//       the state of one thread's chunk; valid(k, j) tells whether z[k][j] is a column of the
+//       row. May rewrite z into the form output() expects (softmax stores exp(z - local max)).
+//   struct Fin; Fin finish(const State& total) const;           row constants
+//   struct Out; Out out(const Fin&, const State& chunk) const;  constants for one chunk
+//   void output<VEC>(float (&v)[VEC], const Out&, int64_t c0, int cnt) const;  z -> y
+//   void save(int64_t row, const Fin&) const;                   per-row side output (rstd)
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/common.cuh"
+#include "kernels/reduce.cuh"
+#include "kernels/row_layout.h"
+
+namespace mti {
+
+// Elements of T per 16-byte access.
+template <typename T>
+constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+
+// Row values one thread keeps in registers on the vector paths (fp32 registers; with 16-bit
+// types that is as many elements). Rows of up to a warp keep at most kWarpRegs per thread,
+// longer rows kCtaRegs: with the ~35 registers of bookkeeping a CTA of kMaxThreads threads
+// then needs <= 128 registers per thread, so two CTAs fit on an SM, one loading while the
+// other reduces or writes. A CTA holds kMaxThreads * kCtaRegs = 16384 values, a cluster of 16
+// CTAs 262144.
+constexpr int kWarpRegs = 32;
+constexpr int kCtaRegs = 64;
+// Values per thread and step when streaming: fewer keep the two-pass kernel clear of spills.
+constexpr int kStreamRegs = 16;
+// Elements per thread and step on the scalar path.
+constexpr int kScalarNV = 8;
+// CTA size when several rows share a CTA (one row per group of <= 32 lanes).
+constexpr int kSmallRowThreads = 128;
+// Upper bound on resident CTAs per SM (2048 threads / kSmallRowThreads); grids are capped at
+// this many CTAs per SM and stride over the rows.
+constexpr int kCtasPerSm = 16;
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Packed {
+  T v[N];
+};
+
+// The Aux of an op that reads nothing but x.
+struct NoAux {};
+
+// Reads elements [c0, c0 + cnt) of a row (cnt <= VEC) into raw. A full vector is one aligned
+// access (VEC > 1 implies col_stride 1 and aligned rows); a partial one is read element-wise
+// and zero-filled. Col is int on the resident paths (rows shorter than 2^31), int64_t else.
+template <int VEC, typename T, typename Col>
+__device__ __forceinline__ void load_packed(Packed<T, VEC>& raw, const T* row, Col c0, int cnt,
+                                            int64_t col_stride) {
+  if (cnt == VEC) {
+    if constexpr (VEC == 1)
+      raw.v[0] = row[c0 * col_stride];
+    else
+      raw = *reinterpret_cast<const Packed<T, VEC>*>(row + c0);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) raw.v[j] = j < cnt ? row[(c0 + j) * col_stride] : T();
+  }
+}
+
+template <int VEC, typename T, typename Col>
+__device__ __forceinline__ void store_packed(T* row, Col c0, int cnt, int64_t col_stride,
+                                             const float (&v)[VEC]) {
+  if (cnt == VEC) {
+    Packed<T, VEC> raw;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) raw.v[j] = from_float<T>(v[j]);
+    if constexpr (VEC == 1)
+      row[c0 * col_stride] = raw.v[0];
+    else
+      *reinterpret_cast<Packed<T, VEC>*>(row + c0) = raw;
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (j < cnt) row[(c0 + j) * col_stride] = from_float<T>(v[j]);
+  }
+}
+
+// How many of the VEC elements from column c0 on lie before `limit` (0..VEC).
+template <int VEC, typename Col>
+__device__ __forceinline__ int count_before(Col limit, Col c0) {
+  const Col left = limit - c0;
+  return left <= 0 ? 0 : left >= VEC ? VEC : static_cast<int>(left);
+}
+
+// Where one thread's vectors of one step lie: vector k is vector v0 + k * stride of the row.
+// kStride > 0 fixes the stride at compile time, which turns the per-vector offsets into
+// immediates (with a runtime stride the compiler keeps one offset per vector in registers).
+template <typename Col, int kStride>
+struct StepCursor {
+  Col v0;
+  int runtime_stride;
+  __device__ __forceinline__ Col col(int k, int vec) const {
+    return (v0 + k * (kStride > 0 ? kStride : runtime_stride)) * vec;
+  }
+};
+
+// Side inputs (masks) are read and applied in batches of at most kAuxBatchBytes, after all of
+// x's loads are issued: reading a float mask all up front too would hold two copies of the
+// step in registers.
+constexpr int kAuxBatchBytes = 64;
+
+// Reads one step of NV vectors into z (x -> z via the op, kPad past `load_end`) and returns
+// the op's state of it. kFull: every vector lies before `load_end` (<= `end`), so the accesses
+// are unconditional and every element is a column of the row. All of x's loads are issued
+// before any value is used.
+template <bool kFull, int NV, int VEC, class Op, typename T, typename Col, int kStride>
+__device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], const Op& op,
+                                                           const T* row,
+                                                           const typename Op::Row& rc,
+                                                           const StepCursor<Col, kStride>& at,
+                                                           int64_t col_stride, Col load_end,
+                                                           Col end) {
+  Packed<T, VEC> raw[NV];
+  int cnt[NV];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const Col c0 = at.col(k, VEC);
+    cnt[k] = kFull ? VEC : count_before<VEC>(load_end, c0);
+    load_packed<VEC>(raw[k], row, c0, cnt[k], col_stride);
+  }
+  using Aux = typename Op::template Aux<VEC>;
+  constexpr int kMaxBatch = kAuxBatchBytes / sizeof(Aux) > 0 ? kAuxBatchBytes / sizeof(Aux) : 1;
+  constexpr int kBatch = NV < kMaxBatch ? NV : kMaxBatch;
+#pragma unroll
+  for (int k0 = 0; k0 < NV; k0 += kBatch) {
+    Aux aux[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+      op.template load_aux<VEC>(aux[b], rc, at.col(k0 + b, VEC), cnt[k0 + b]);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int k = k0 + b;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) z[k][j] = j < cnt[k] ? to_float(raw[k].v[j]) : Op::kPad;
+      op.template prepare<VEC>(z[k], aux[b], cnt[k]);
+    }
+  }
+  int in_row[NV];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) in_row[k] = kFull ? VEC : count_before<VEC>(end, at.col(k, VEC));
+  return op.local(z, [&](int k, int j) { return kFull || j < in_row[k]; });
+}
+
+template <int NV, int VEC, class Op, typename T, typename Col, int kStride>
+__device__ __forceinline__ typename Op::State read_step(float (&z)[NV][VEC], const Op& op,
+                                                        const T* row,
+                                                        const typename Op::Row& rc,
+                                                        const StepCursor<Col, kStride>& at,
+                                                        int64_t col_stride, Col load_end,
+                                                        Col end) {
+  if (at.col(NV - 1, VEC) + VEC <= load_end)
+    return read_vectors<true>(z, op, row, rc, at, col_stride, load_end, end);
+  return read_vectors<false>(z, op, row, rc, at, col_stride, load_end, end);
+}
+
+// Turns one step of z into outputs and stores the columns before `end`.
+template <bool kFull, int NV, int VEC, class Op, typename T, typename Col, int kStride>
+__device__ __forceinline__ void write_vectors(float (&z)[NV][VEC], const Op& op,
+                                              const typename Op::Out& out, T* row,
+                                              const StepCursor<Col, kStride>& at, int64_t col_stride,
+                                              Col end) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const Col c0 = at.col(k, VEC);
+    const int cnt = kFull ? VEC : count_before<VEC>(end, c0);
+    if (cnt > 0) {
+      op.template output<VEC>(z[k], out, c0, cnt);
+      store_packed<VEC>(row, c0, cnt, col_stride, z[k]);
+    }
+  }
+}
+
+template <int NV, int VEC, class Op, typename T, typename Col, int kStride>
+__device__ __forceinline__ void write_step(float (&z)[NV][VEC], const Op& op,
+                                           const typename Op::Out& out, T* row,
+                                           const StepCursor<Col, kStride>& at, int64_t col_stride,
+                                           Col end) {
+  if (at.col(NV - 1, VEC) + VEC <= end)
+    write_vectors<true>(z, op, out, row, at, col_stride, end);
+  else
+    write_vectors<false>(z, op, out, row, at, col_stride, end);
+}
+
+enum class RowPath { kResident, kCluster, kStream };
+
+// One kernel for every path. kResident and kStream: a row belongs to a group of `tpr`
+// threads; tpr <= 32 is a group of lanes (blockDim.x / tpr rows per CTA), tpr > 32 means
+// tpr == blockDim.x and the row belongs to the CTA. Thread t of the group owns the row's
+// vectors t, t + tpr, t + 2 tpr, ... kCluster: blockDim.x == kMaxThreads and the row belongs
+// to a cluster of `cluster` CTAs (1 without clusters); CTA `rank` owns the rank-th run of
+// kMaxThreads * NV vectors, in which thread t owns t, t + kMaxThreads, ... Either way a warp
+// reads 32 neighbouring vectors at a time. A step is NV vectors per thread: resident rows
+// are one step, streamed rows loop over steps twice. The grid strides over rows (groups of
+// rows, clusters).
+template <class Op, typename T, int VEC, int NV, RowPath kPath>
+__global__ void __launch_bounds__(kMaxThreads, 2)
+    row_kernel(T* __restrict__ x, const RowLayout layout, const Op op, const int tpr,
+               const int cluster) {
+  using State = typename Op::State;
+  constexpr bool kStream = kPath == RowPath::kStream;
+  constexpr int kStride = kPath == RowPath::kCluster ? kMaxThreads : 0;
+  // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
+  using Col = std::conditional_t<kStream, int64_t, int>;
+  using Cursor = StepCursor<Col, kStride>;
+  __shared__ State warp_totals[2][kMaxWarps];
+  __shared__ ClusterExchange<State> exchange;
+
+  const bool cta_rows = kPath == RowPath::kCluster || tpr > kWarpSize;
+  const int rank = static_cast<int>(blockIdx.x) % cluster;
+  const int lane_group = cta_rows ? static_cast<int>(blockDim.x) : tpr;
+  const int t = kPath == RowPath::kCluster ? rank * kMaxThreads * NV + static_cast<int>(threadIdx.x)
+                                           : static_cast<int>(threadIdx.x) % lane_group;
+  const int rows_per_cta = cta_rows ? 1 : static_cast<int>(blockDim.x) / tpr;
+  const int sub_row = cta_rows ? 0 : static_cast<int>(threadIdx.x) / tpr;
+  const int64_t col_stride = VEC == 1 ? layout.col_stride : 1;
+  const int64_t row_groups = ceil_div(layout.rows, rows_per_cta);
+
+  if (cluster > 1) {
+    cluster_exchange_init(exchange);
+    cluster_sync();
+  }
+  unsigned rows_done = 0;  // by this thread: picks the reduction buffers
+  for (int64_t g = blockIdx.x / cluster; g < row_groups; g += gridDim.x / cluster) {
+    const int64_t r = g * rows_per_cta + sub_row;
+    const bool active = r < layout.rows;
+    T* row = x;
+    typename Op::Row rc{};
+    if (active) {
+      row += layout.row.offset(r);
+      rc = op.row(r);
+    }
+    // Inactive threads (past the last row) take part in the reductions with empty chunks.
+    const Col load_end = active ? static_cast<Col>(rc.load_end) : 0;
+    const Col end = active ? static_cast<Col>(layout.n) : 0;
+
+    float z[NV][VEC];
+    State mine;
+    if constexpr (kStream) {
+      const Col step_vecs = static_cast<Col>(NV) * lane_group;
+      mine = State::identity();
+      const Col steps = ceil_div(ceil_div(load_end, VEC), step_vecs);
+      for (Col s = 0; s < steps; ++s) {
+        const State chunk = read_step(z, op, row, rc, Cursor{s * step_vecs + t, lane_group},
+                                      col_stride, load_end, end);
+        mine = s == 0 ? chunk : State::combine(mine, chunk);
+      }
+    } else {
+      mine = read_step(z, op, row, rc, Cursor{t, lane_group}, col_stride, load_end, end);
+    }
+
+    State total = warp_allreduce(mine, cta_rows ? kWarpSize : tpr);
+    if (cta_rows) total = cta_allreduce(total, warp_totals[rows_done % 2]);
+    if (cluster > 1) total = cluster_allreduce(total, exchange, rows_done, rank, cluster);
+    ++rows_done;
+    const typename Op::Fin fin = op.finish(total);
+    if (active && t == 0) op.save(r, fin);
+
+    if constexpr (kStream) {
+      const Col step_vecs = static_cast<Col>(NV) * lane_group;
+      const Col steps = ceil_div(ceil_div(end, VEC), step_vecs);
+      for (Col s = 0; s < steps; ++s) {
+        const Cursor at{s * step_vecs + t, lane_group};
+        const State chunk = read_step(z, op, row, rc, at, col_stride, load_end, end);
+        write_step(z, op, op.out(fin, chunk), row, at, col_stride, end);
+      }
+    } else {
+      write_step(z, op, op.out(fin, mine), row, Cursor{t, lane_group}, col_stride, end);
+    }
+  }
+  // No CTA leaves while another may still send it a total.
+  if (cluster > 1) cluster_sync();
+}
+
+// ---------------------------------------------------------------------------- host side
+
+constexpr int kMaxDevices = 64;
+
+struct DeviceInfo {
+  int sm_count = 0;
+  bool cluster_launch = false;  // the device can launch thread-block clusters (sm_90+)
+};
+
+// Properties of the current device, queried once per device.
+inline cudaError_t current_device(int* device, DeviceInfo* info) {
+  static std::atomic<int> sm_counts[kMaxDevices];        // 0: not queried yet
+  static std::atomic<int> cluster_launch[kMaxDevices];
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  const bool cached = *device < kMaxDevices;
+  if (cached && sm_counts[*device].load(std::memory_order_acquire) != 0) {
+    info->cluster_launch = cluster_launch[*device].load(std::memory_order_relaxed) != 0;
+    info->sm_count = sm_counts[*device].load(std::memory_order_relaxed);
+    return cudaSuccess;
+  }
+  int sms = 0, clusters = 0;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, *device);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, *device);
+  if (err != cudaSuccess) return err;
+  info->sm_count = sms;
+  info->cluster_launch = clusters != 0;
+  if (cached) {
+    cluster_launch[*device].store(clusters, std::memory_order_relaxed);
+    sm_counts[*device].store(sms, std::memory_order_release);
+  }
+  return cudaSuccess;
+}
+
+// Whether clusters of `cluster` CTAs of kMaxThreads threads of this kernel can be resident on
+// the current device. Needs the kernel compiled for sm_90+ (a build without sm_90 code runs
+// older machine code on an H100, and that code has no cluster reduction). Failed queries
+// count as "no"; their error is cleared so that it does not surface as a launch error.
+template <class Op, typename T, int VEC, int NV>
+bool cluster_fits(int device, int cluster) {
+  static std::atomic<int> verdicts[kMaxDevices][5];  // by log2(cluster): 0 unknown, 1 yes, 2 no
+  int log2c = 0;
+  while ((2 << log2c) <= cluster) ++log2c;
+  std::atomic<int>* cache = device < kMaxDevices ? &verdicts[device][log2c] : nullptr;
+  if (cache != nullptr && cache->load(std::memory_order_relaxed) != 0)
+    return cache->load(std::memory_order_relaxed) == 1;
+
+  auto kernel = row_kernel<Op, T, VEC, NV, RowPath::kCluster>;
+  bool fits = false;
+  cudaFuncAttributes attr;
+  if (cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.ptxVersion >= 90 &&
+      (cluster <= 8 ||
+       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+           cudaSuccess)) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(cluster);
+    config.blockDim = dim3(kMaxThreads);
+    cudaLaunchAttribute dims;
+    dims.id = cudaLaunchAttributeClusterDimension;
+    dims.val.clusterDim.x = cluster;
+    dims.val.clusterDim.y = 1;
+    dims.val.clusterDim.z = 1;
+    config.attrs = &dims;
+    config.numAttrs = 1;
+    int active = 0;
+    fits = cudaOccupancyMaxActiveClusters(&active, kernel, &config) == cudaSuccess && active > 0;
+  }
+  cudaGetLastError();
+  if (cache != nullptr) cache->store(fits ? 1 : 2, std::memory_order_relaxed);
+  return fits;
+}
+
+template <class Op, typename T, int VEC, int NV, RowPath kPath>
+cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int threads, int tpr,
+                              int cluster, int sm_count, cudaStream_t stream) {
+  const int64_t rows_per_cta = tpr > kWarpSize ? 1 : threads / tpr;
+  const int64_t row_groups = ceil_div(layout.rows, rows_per_cta);
+  const int64_t max_groups = std::max<int64_t>(1, int64_t{sm_count} * kCtasPerSm / cluster);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(std::min(row_groups, max_groups) * cluster));
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  cudaLaunchAttribute dims;
+  dims.id = cudaLaunchAttributeClusterDimension;
+  dims.val.clusterDim.x = cluster;
+  dims.val.clusterDim.y = 1;
+  dims.val.clusterDim.z = 1;
+  config.attrs = &dims;
+  config.numAttrs = cluster > 1 ? 1 : 0;
+  const cudaError_t err =
+      cudaLaunchKernelEx(&config, row_kernel<Op, T, VEC, NV, kPath>, x, layout, op, tpr,
+                         cluster);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+inline int64_t next_pow2(int64_t v) {
+  int64_t p = 1;
+  while (p < v) p *= 2;
+  return p;
+}
+
+inline int64_t round_up(int64_t v, int64_t m) { return ceil_div(v, m) * m; }
+
+// Whether `base + offset(r) * elem_bytes` is a multiple of `align` for every row r.
+inline bool rows_aligned(const void* base, const RowIndexer& rows, int64_t elem_bytes,
+                         int64_t align) {
+  if (reinterpret_cast<uintptr_t>(base) % align != 0) return false;
+  for (int i = 0; i < rows.ndim; ++i)
+    if (rows.sizes[i] > 1 && (rows.strides[i] * elem_bytes) % align != 0) return false;
+  return true;
+}
+
+inline bool ptr_aligned(const void* p, int64_t align) {
+  return reinterpret_cast<uintptr_t>(p) % align == 0;
+}
+
+// Picks the path (see the top of this file) and launches it. `vectorizable`: col_stride is 1
+// and every row start, and every per-column side input the op reads by vectors, is 16-byte
+// aligned.
+template <class Op, typename T>
+cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool vectorizable,
+                        cudaStream_t stream) {
+  if (layout.rows == 0 || layout.n == 0) return cudaSuccess;
+  int device = 0;
+  DeviceInfo dev;
+  const cudaError_t err = current_device(&device, &dev);
+  if (err != cudaSuccess) return err;
+  const int64_t n = layout.n;
+
+  if (!vectorizable) {
+    if (n <= kWarpSize * kScalarNV) {
+      const int tpr = static_cast<int>(next_pow2(ceil_div(n, kScalarNV)));
+      return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kResident>(x, layout, op, kSmallRowThreads, tpr,
+                                                          1, dev.sm_count, stream);
+    }
+    if (n <= int64_t{kMaxThreads} * kScalarNV) {
+      const int threads = static_cast<int>(round_up(ceil_div(n, kScalarNV), kWarpSize));
+      return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kResident>(x, layout, op, threads, threads, 1,
+                                                          dev.sm_count, stream);
+    }
+    return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kStream>(x, layout, op, kMaxThreads,
+                                                         kMaxThreads, 1, dev.sm_count, stream);
+  }
+
+  constexpr int VEC = kVec<T>;
+  constexpr int kWarpNV = kWarpRegs / VEC;  // vectors per thread: 8 for fp32, 4 for 16-bit
+  constexpr int kCtaNV = kCtaRegs / VEC;
+  const int64_t vecs = ceil_div(n, VEC);
+  if (vecs <= kWarpSize * kWarpNV) {
+    // Up to a warp per row. The fewest lanes that hold the row with at most kWarpNV vectors
+    // each: more bytes in flight per thread and fewer shuffles than spreading the row thin.
+    const int tpr = static_cast<int>(next_pow2(ceil_div(vecs, kWarpNV)));
+    const int64_t nv = next_pow2(ceil_div(vecs, tpr));
+    auto launch = [&](auto nv_const) {
+      return launch_row_kernel<Op, T, VEC, decltype(nv_const)::value, RowPath::kResident>(
+          x, layout, op, kSmallRowThreads, tpr, 1, dev.sm_count, stream);
+    };
+    switch (nv) {
+      case 1: return launch(std::integral_constant<int, 1>{});
+      case 2: return launch(std::integral_constant<int, 2>{});
+      case 4: return launch(std::integral_constant<int, 4>{});
+      default: return launch(std::integral_constant<int, kWarpNV>{});
+    }
+  }
+  if (vecs <= int64_t{kMaxThreads} * kWarpNV) {  // a CTA per row, as many threads as it takes
+    const int threads = static_cast<int>(round_up(ceil_div(vecs, kWarpNV), kWarpSize));
+    return launch_row_kernel<Op, T, VEC, kWarpNV, RowPath::kResident>(x, layout, op, threads, threads, 1,
+                                                        dev.sm_count, stream);
+  }
+  // A CTA, or on sm_90+ a cluster of up to kMaxCluster CTAs, per row, kCtaNV vectors per
+  // thread; streamed when no cluster holds it.
+  const int64_t cta_vecs = int64_t{kMaxThreads} * kCtaNV;
+  int cluster = 1;
+  while (cluster <= kMaxCluster && vecs > cluster * cta_vecs) cluster *= 2;
+  if (cluster > kMaxCluster ||
+      (cluster > 1 && !(dev.cluster_launch && cluster_fits<Op, T, VEC, kCtaNV>(device, cluster)))) {
+    return launch_row_kernel<Op, T, VEC, kStreamRegs / VEC, RowPath::kStream>(
+        x, layout, op, kMaxThreads, kMaxThreads, 1, dev.sm_count, stream);
+  }
+  return launch_row_kernel<Op, T, VEC, kCtaNV, RowPath::kCluster>(
+      x, layout, op, kMaxThreads, kMaxThreads, cluster, dev.sm_count, stream);
+}
+
+}  // namespace mti

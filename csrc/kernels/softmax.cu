@@ -1,0 +1,239 @@
+// softmax / log_softmax over rows, written over the input: the op functor for the row-wise
+// framework in kernels/rowwise.cuh, and its launcher.
+#include "kernels/softmax.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "kernels/rowwise.cuh"
+
+namespace mti {
+namespace {
+
+// (m, s) = (max of a set of values, sum of exp(value - m)). One reduction carries both, so a
+// row needs a single pass of communication between threads.
+struct MaxSum {
+  float m, s;
+
+  static __device__ __forceinline__ MaxSum identity() { return {-INFINITY, 0.f}; }
+
+  // The max a set's sum is taken relative to: a set whose max is -inf holds only masked
+  // elements (or NaN), and is taken relative to 0 so that its sum stays 0 (or NaN) instead of
+  // exp(-inf - -inf) = NaN.
+  static __device__ __forceinline__ float shift(float m) { return m == -INFINITY ? 0.f : m; }
+
+  static __device__ __forceinline__ MaxSum combine(const MaxSum& a, const MaxSum& b) {
+    const float m = fmaxf(a.m, b.m);
+    const float ms = shift(m);
+    // _rn intrinsics: no FMA contraction, which would make the bits depend on argument order
+    // (see kernels/reduce.cuh).
+    return {m, __fadd_rn(__fmul_rn(a.s, __expf(a.m - ms)), __fmul_rn(b.s, __expf(b.m - ms)))};
+  }
+
+  template <class F>
+  __device__ __forceinline__ MaxSum map(F f) const {
+    return {f(m), f(s)};
+  }
+};
+
+template <typename T, MaskKind kMask>
+struct SoftmaxOp {
+  using State = MaxSum;
+  using MaskT = std::conditional_t<kMask == MaskKind::kBool, uint8_t, T>;
+  // An unread column (causal limit, past the end) is a masked one.
+  static constexpr float kPad = -INFINITY;
+  // Per vector: the additive mask's values, or the bool mask as one bit per element.
+  template <int VEC>
+  using Aux = std::conditional_t<kMask == MaskKind::kNone, NoAux,
+                                 std::conditional_t<kMask == MaskKind::kBool, uint32_t,
+                                                    Packed<MaskT, VEC>>>;
+
+  const MaskT* mask;
+  RowIndexer mask_rows;
+  int64_t mask_col_stride;
+  bool mask_vec;  // mask_col_stride is 1 and mask rows are aligned for kVec<T>-element reads
+  float scale;
+  bool log;
+  bool causal;
+  int64_t q_len;
+  int64_t n;
+
+  struct Row {
+    int64_t load_end;  // causal rows read only the columns j <= r % q_len
+    const MaskT* mask;
+  };
+
+  __device__ __forceinline__ Row row(int64_t r) const {
+    Row rc;
+    rc.load_end = n;
+    if (causal) {
+      const int64_t keep = r % q_len + 1;
+      if (keep < n) rc.load_end = keep;
+    }
+    if constexpr (kMask != MaskKind::kNone) rc.mask = mask + mask_rows.offset(r);
+    return rc;
+  }
+
+  template <int VEC>
+  __device__ __forceinline__ void load_aux(Aux<VEC>& a, const Row& rc, int64_t c0,
+                                           int cnt) const {
+    if constexpr (kMask == MaskKind::kAdditive) {
+      if (cnt == VEC && mask_vec) {
+        a = *reinterpret_cast<const Packed<MaskT, VEC>*>(rc.mask + c0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+          a.v[j] = j < cnt ? rc.mask[(c0 + j) * mask_col_stride] : MaskT();
+      }
+    } else if constexpr (kMask == MaskKind::kBool) {
+      a = 0;
+      if (cnt == VEC && mask_vec) {
+        // VEC bytes in one access: 4 or 8 bytes for 16-byte vectors of x, 1 on the scalar path.
+        using Word = std::conditional_t<VEC == 8, uint64_t,
+                                        std::conditional_t<VEC == 4, uint32_t, uint8_t>>;
+        static_assert(sizeof(Word) == VEC, "one mask byte per element");
+        const Word w = *reinterpret_cast<const Word*>(rc.mask + c0);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) a |= ((w >> (8 * j)) & 0xff) != 0 ? 1u << j : 0u;
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+          a |= j < cnt && rc.mask[(c0 + j) * mask_col_stride] != 0 ? 1u << j : 0u;
+      }
+    }
+  }
+
+  template <int VEC>
+  __device__ __forceinline__ void prepare(float (&v)[VEC], const Aux<VEC>& a, int cnt) const {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      if (j < cnt) {
+        float z = v[j] * scale;
+        if constexpr (kMask == MaskKind::kBool) z = (a >> j) & 1u ? z : -INFINITY;
+        if constexpr (kMask == MaskKind::kAdditive) z += to_float(a.v[j]);
+        v[j] = z;
+      }
+    }
+  }
+
+  // softmax keeps e = exp(z - chunk max) in place of z, so that writing costs a multiply
+  // instead of a second exp; log_softmax keeps z.
+  template <int NV, int VEC, class Valid>
+  __device__ __forceinline__ MaxSum local(float (&z)[NV][VEC], Valid) const {
+    float m = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) m = fmaxf(m, z[k][j]);
+    const float ms = MaxSum::shift(m);
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float e = __expf(z[k][j] - ms);
+        s += e;
+        if (!log) z[k][j] = e;
+      }
+    }
+    return {m, s};
+  }
+
+  struct Fin {
+    float m;
+    float inv_s;  // softmax
+    float log_s;  // log_softmax
+    bool empty;   // nothing in the row takes part
+  };
+
+  __device__ __forceinline__ Fin finish(const MaxSum& t) const {
+    Fin f;
+    f.m = t.m;
+    f.empty = t.m == -INFINITY && t.s == 0.f;
+    // log1pf: --use_fast_math turns logf into __logf, whose absolute error (2^-21) is large
+    // next to log(s) for s near 1, i.e. for the largest outputs of a peaked row.
+    f.log_s = log ? log1pf(t.s - 1.f) : 0.f;
+    f.inv_s = log ? 0.f : __frcp_rn(t.s);
+    return f;
+  }
+
+  struct Out {
+    float factor;  // softmax: y = e * factor
+    Fin fin;
+  };
+
+  __device__ __forceinline__ Out out(const Fin& f, const MaxSum& chunk) const {
+    Out o;
+    o.fin = f;
+    // A chunk whose elements are all masked has e = 0 (or NaN); keep it 0 without computing
+    // exp(-inf - m). A NaN sum still reaches every element through inv_s.
+    o.factor = log || f.empty ? 0.f
+                              : (chunk.m == -INFINITY ? 0.f : __expf(chunk.m - f.m)) * f.inv_s;
+    return o;
+  }
+
+  template <int VEC>
+  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t, int) const {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      v[j] = !log ? v[j] * o.factor : o.fin.empty ? 0.f : (v[j] - o.fin.m) - o.fin.log_s;
+  }
+
+  __device__ __forceinline__ void save(int64_t, const Fin&) const {}
+};
+
+template <typename T, MaskKind kMask>
+cudaError_t launch_masked(T* x, const RowLayout& layout, const void* mask,
+                          const MaskLayout& mask_layout, const SoftmaxParams& params,
+                          bool vectorizable, cudaStream_t stream) {
+  using Op = SoftmaxOp<T, kMask>;
+  using MaskT = typename Op::MaskT;
+  Op op;
+  op.mask = static_cast<const MaskT*>(mask);
+  op.mask_rows = mask_layout.row;
+  op.mask_col_stride = mask_layout.col_stride;
+  op.mask_vec = kMask != MaskKind::kNone && mask_layout.col_stride == 1 &&
+                rows_aligned(mask, mask_layout.row, sizeof(MaskT), sizeof(MaskT) * kVec<T>);
+  op.scale = params.scale;
+  op.log = params.log;
+  op.causal = params.causal;
+  op.q_len = params.q_len;
+  op.n = layout.n;
+  return launch_rows(x, layout, op, vectorizable, stream);
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t launch_softmax(T* x, const RowLayout& layout, const void* mask,
+                           const MaskLayout& mask_layout, const SoftmaxParams& params,
+                           cudaStream_t stream) {
+  const bool vectorizable =
+      layout.col_stride == 1 && rows_aligned(x, layout.row, sizeof(T), 16);
+  switch (mask_layout.kind) {
+    case MaskKind::kBool:
+      return launch_masked<T, MaskKind::kBool>(x, layout, mask, mask_layout, params,
+                                               vectorizable, stream);
+    case MaskKind::kAdditive:
+      return launch_masked<T, MaskKind::kAdditive>(x, layout, mask, mask_layout, params,
+                                                   vectorizable, stream);
+    case MaskKind::kNone:
+      break;
+  }
+  return launch_masked<T, MaskKind::kNone>(x, layout, mask, mask_layout, params, vectorizable,
+                                           stream);
+}
+
+template cudaError_t launch_softmax<float>(float*, const RowLayout&, const void*,
+                                           const MaskLayout&, const SoftmaxParams&,
+                                           cudaStream_t);
+template cudaError_t launch_softmax<__half>(__half*, const RowLayout&, const void*,
+                                            const MaskLayout&, const SoftmaxParams&,
+                                            cudaStream_t);
+template cudaError_t launch_softmax<__nv_bfloat16>(__nv_bfloat16*, const RowLayout&,
+                                                   const void*, const MaskLayout&,
+                                                   const SoftmaxParams&, cudaStream_t);
+
+}  // namespace mti
