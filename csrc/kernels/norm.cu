@@ -71,8 +71,8 @@ __device__ __forceinline__ void load_param(float (&p)[VEC], const T* src, int64_
   }
 }
 
-// What LayerNorm and RMSNorm share: rows read as they are, statistics folded into one rstd per
-// row that may be saved, a per-column weight.
+// What LayerNorm and RMSNorm share: statistics folded into one rstd per row that may be
+// saved, a per-column weight.
 template <typename T, class S>
 struct NormOpBase {
   using State = S;
@@ -85,15 +85,8 @@ struct NormOpBase {
   float eps;
   int64_t n;
 
-  struct Row {
-    int64_t load_end;
-  };
-  __device__ __forceinline__ Row row(int64_t) const { return {n}; }
-
-  template <int VEC>
+  template <int VEC, class Row>
   __device__ __forceinline__ void load_aux(Aux<VEC>&, const Row&, int64_t, int) const {}
-  template <int VEC>
-  __device__ __forceinline__ void prepare(float (&)[VEC], const Aux<VEC>&, int) const {}
 
   template <class Fin>
   __device__ __forceinline__ const Fin& out(const Fin& f, const S&) const {
@@ -109,23 +102,38 @@ template <typename T>
 struct LayerNormOp : NormOpBase<T, MeanM2> {
   const T* bias;
 
+  // The row is reduced and normalized relative to its first element: with a large common
+  // offset the statistics then keep their precision (and x - pivot is exact for nearby x), and
+  // the mean never has to be rounded at the offset's magnitude.
+  struct Row {
+    int64_t load_end;
+    float pivot;
+  };
+  __device__ __forceinline__ Row row(int64_t, const T* x_row) const {
+    return {this->n, to_float(x_row[0])};
+  }
+
+  template <int VEC>
+  __device__ __forceinline__ void prepare(float (&v)[VEC], const NoAux&, const Row& rc,
+                                          int cnt) const {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (j < cnt) v[j] -= rc.pivot;
+  }
+
   template <int NV, int VEC, class Valid>
   __device__ __forceinline__ MeanM2 local(float (&z)[NV][VEC], Valid valid) const {
-    // Sums relative to the chunk's first value, so that a large common offset does not cost
-    // the sum its precision. The valid elements are a prefix of the chunk: z[0][0] is one of
-    // them unless there are none.
-    const float pivot = z[0][0];
     float sum = 0.f, cnt = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k)
 #pragma unroll
       for (int j = 0; j < VEC; ++j)
         if (valid(k, j)) {
-          sum += z[k][j] - pivot;
+          sum += z[k][j];
           cnt += 1.f;
         }
     if (cnt == 0.f) return MeanM2::identity();
-    const float mean = pivot + __fdividef(sum, cnt);
+    const float mean = __fdividef(sum, cnt);
     float m2 = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k)
@@ -161,6 +169,14 @@ struct LayerNormOp : NormOpBase<T, MeanM2> {
 
 template <typename T>
 struct RmsNormOp : NormOpBase<T, SumSq> {
+  struct Row {
+    int64_t load_end;
+  };
+  __device__ __forceinline__ Row row(int64_t, const T*) const { return {this->n}; }
+
+  template <int VEC>
+  __device__ __forceinline__ void prepare(float (&)[VEC], const NoAux&, const Row&, int) const {}
+
   // Unread columns are 0 and add nothing, so `valid` is not needed.
   template <int NV, int VEC, class Valid>
   __device__ __forceinline__ SumSq local(float (&z)[NV][VEC], Valid) const {

@@ -19,12 +19,13 @@
 //   static constexpr float kPad;    value of a column that is not read: past the row's end or
 //                                   past its causal limit. local() must treat it as absent.
 //   struct Row { int64_t load_end; ... };   per-row context; columns >= load_end are not read
-//   Row row(int64_t r) const;
+//   Row row(int64_t r, const T* x_row) const;    x_row: the row's first element
 //   template <int VEC> using Aux;   per-vector side input read along with x (mask values)
 //   void load_aux<VEC>(Aux<VEC>&, const Row&, int64_t c0, int cnt) const;
 //       the side input of the vector at c0, of which the elements < cnt will be used (none
 //       when cnt is 0: read nothing then)
-//   void prepare<VEC>(float (&v)[VEC], const Aux<VEC>&, int cnt) const;  x -> z, elements < cnt
+//   void prepare<VEC>(float (&v)[VEC], const Aux<VEC>&, const Row&, int cnt) const;
+//       x -> z for the elements < cnt
 //   State local<NV, VEC>(float (&z)[NV][VEC], Valid valid) const;
 //       the state of one thread's chunk; valid(k, j) tells whether z[k][j] is a column of the
 //       row. May rewrite z into the form output() expects (softmax stores exp(z - local max)).
@@ -159,7 +160,7 @@ __device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], 
       const int k = k0 + b;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) z[k][j] = j < cnt[k] ? to_float(raw[k].v[j]) : Op::kPad;
-      op.template prepare<VEC>(z[k], aux[b], cnt[k]);
+      op.template prepare<VEC>(z[k], aux[b], rc, cnt[k]);
     }
   }
   int in_row[NV];
@@ -254,7 +255,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     typename Op::Row rc{};
     if (active) {
       row += layout.row.offset(r);
-      rc = op.row(r);
+      rc = op.row(r, row);
     }
     // Inactive threads (past the last row) take part in the reductions with empty chunks.
     const Col load_end = active ? static_cast<Col>(rc.load_end) : 0;

@@ -68,7 +68,7 @@ struct SoftmaxOp {
     const MaskT* mask;
   };
 
-  __device__ __forceinline__ Row row(int64_t r) const {
+  __device__ __forceinline__ Row row(int64_t r, const T*) const {
     Row rc;
     rc.load_end = n;
     if (causal) {
@@ -94,7 +94,8 @@ struct SoftmaxOp {
   }
 
   template <int VEC>
-  __device__ __forceinline__ void prepare(float (&v)[VEC], const Aux<VEC>& a, int cnt) const {
+  __device__ __forceinline__ void prepare(float (&v)[VEC], const Aux<VEC>& a, const Row&,
+                                          int cnt) const {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       if (j < cnt) {
