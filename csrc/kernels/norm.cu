@@ -11,9 +11,8 @@ namespace mti {
 namespace {
 
 // (count, mean, sum of squared deviations from the mean) of a set of values. Each thread's
-// chunk is reduced exactly, in two passes over its registers; chunks are merged with Chan et
-// al.'s pairwise update, which stays accurate when |mean| >> std (unlike sum and sum of
-// squares).
+// chunk is reduced in two passes over its registers, chunks are merged with Chan et al.'s
+// pairwise update; both stay accurate when |mean| >> std, unlike sums of x and x^2.
 struct MeanM2 {
   float n, mean, m2;
 
@@ -22,14 +21,19 @@ struct MeanM2 {
   static __device__ __forceinline__ MeanM2 combine(const MeanM2& a, const MeanM2& b) {
     if (a.n == 0.f) return b;
     if (b.n == 0.f) return a;
-    // Forms symmetric in (a, b), and _rn intrinsics against FMA contraction: the bits must
-    // not depend on argument order (see kernels/reduce.cuh).
+    // mean = a.mean + delta * b.n / n, written symmetrically in (a, b) as the midpoint plus a
+    // correction, and with _rn intrinsics against FMA contraction: the bits must not depend
+    // on the argument order (see kernels/reduce.cuh). The midpoint keeps the rounding error
+    // at that of the mean itself, where n_a*mean_a + n_b*mean_b would add that of the sums.
     const float n = __fadd_rn(a.n, b.n);
-    const float delta = b.mean - a.mean;
-    const float mean =
-        __fdividef(__fadd_rn(__fmul_rn(a.n, a.mean), __fmul_rn(b.n, b.mean)), n);
-    const float m2 = __fadd_rn(__fadd_rn(a.m2, b.m2), __fmul_rn(__fmul_rn(delta, delta),
-                                                                __fdividef(__fmul_rn(a.n, b.n), n)));
+    const float delta = __fsub_rn(b.mean, a.mean);
+    const float inv_n = __fdividef(1.f, n);
+    const float mid = __fmul_rn(0.5f, __fadd_rn(a.mean, b.mean));
+    const float skew = __fmul_rn(__fmul_rn(0.5f, __fsub_rn(b.n, a.n)), inv_n);
+    const float mean = __fadd_rn(mid, __fmul_rn(skew, delta));
+    const float m2 = __fadd_rn(__fadd_rn(a.m2, b.m2),
+                               __fmul_rn(__fmul_rn(delta, delta),
+                                         __fmul_rn(__fmul_rn(a.n, b.n), inv_n)));
     return {n, mean, m2};
   }
 
@@ -52,26 +56,23 @@ struct SumSq {
   }
 };
 
-// Per-column parameter (weight, bias) as floats; `absent` where the parameter is not given.
-// Parameters are contiguous; VEC > 1 implies they are 16-byte aligned.
+// Per-column parameter (weight, bias) of the vector at c0 as floats; `absent` where the
+// parameter is not given. Parameters are contiguous, and 16-byte aligned when VEC > 1.
 template <int VEC, typename T>
-__device__ __forceinline__ void load_param(float (&p)[VEC], const T* src, int64_t c0, int cnt,
+__device__ __forceinline__ void load_param(float (&p)[VEC], const T* src, int64_t c0,
                                            float absent) {
   if (src == nullptr) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) p[j] = absent;
-  } else if (cnt == VEC) {
-    const Packed<T, VEC> raw = *reinterpret_cast<const Packed<T, VEC>*>(src + c0);
+  } else {
+    const Packed<T, VEC> raw = load_vec<VEC>(src, c0, 1);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) p[j] = to_float(raw.v[j]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) p[j] = j < cnt ? to_float(src[c0 + j]) : absent;
   }
 }
 
-// What LayerNorm and RMSNorm share: rows read as they are, statistics folded into one rstd per
-// row that may be saved, a per-column weight.
+// What LayerNorm and RMSNorm share: statistics folded into one rstd per row that may be
+// saved, a per-column weight.
 template <typename T, class S>
 struct NormOpBase {
   using State = S;
@@ -84,15 +85,8 @@ struct NormOpBase {
   float eps;
   int64_t n;
 
-  struct Row {
-    int64_t load_end;
-  };
-  __device__ __forceinline__ Row row(int64_t) const { return {n}; }
-
-  template <int VEC>
+  template <int VEC, class Row>
   __device__ __forceinline__ void load_aux(Aux<VEC>&, const Row&, int64_t, int) const {}
-  template <int VEC>
-  __device__ __forceinline__ void prepare(float (&)[VEC], const Aux<VEC>&, int) const {}
 
   template <class Fin>
   __device__ __forceinline__ const Fin& out(const Fin& f, const S&) const {
@@ -107,6 +101,25 @@ struct NormOpBase {
 template <typename T>
 struct LayerNormOp : NormOpBase<T, MeanM2> {
   const T* bias;
+
+  // The row is reduced and normalized relative to its first element: with a large common
+  // offset the statistics then keep their precision (and x - pivot is exact for nearby x), and
+  // the mean never has to be rounded at the offset's magnitude.
+  struct Row {
+    int64_t load_end;
+    float pivot;
+  };
+  __device__ __forceinline__ Row row(int64_t, const T* x_row) const {
+    return {this->n, to_float(x_row[0])};
+  }
+
+  template <int VEC>
+  __device__ __forceinline__ void prepare(float (&v)[VEC], const NoAux&, const Row& rc,
+                                          int cnt) const {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (j < cnt) v[j] -= rc.pivot;
+  }
 
   template <int NV, int VEC, class Valid>
   __device__ __forceinline__ MeanM2 local(float (&z)[NV][VEC], Valid valid) const {
@@ -145,11 +158,10 @@ struct LayerNormOp : NormOpBase<T, MeanM2> {
   }
 
   template <int VEC>
-  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t c0,
-                                         int cnt) const {
+  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t c0) const {
     float w[VEC], b[VEC];
-    load_param<VEC>(w, this->weight, c0, cnt, 1.f);
-    load_param<VEC>(b, bias, c0, cnt, 0.f);
+    load_param<VEC>(w, this->weight, c0, 1.f);
+    load_param<VEC>(b, bias, c0, 0.f);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) v[j] = fmaf((v[j] - o.mean) * o.rstd, w[j], b[j]);
   }
@@ -157,6 +169,14 @@ struct LayerNormOp : NormOpBase<T, MeanM2> {
 
 template <typename T>
 struct RmsNormOp : NormOpBase<T, SumSq> {
+  struct Row {
+    int64_t load_end;
+  };
+  __device__ __forceinline__ Row row(int64_t, const T*) const { return {this->n}; }
+
+  template <int VEC>
+  __device__ __forceinline__ void prepare(float (&)[VEC], const NoAux&, const Row&, int) const {}
+
   // Unread columns are 0 and add nothing, so `valid` is not needed.
   template <int NV, int VEC, class Valid>
   __device__ __forceinline__ SumSq local(float (&z)[NV][VEC], Valid) const {
@@ -178,10 +198,9 @@ struct RmsNormOp : NormOpBase<T, SumSq> {
   }
 
   template <int VEC>
-  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t c0,
-                                         int cnt) const {
+  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t c0) const {
     float w[VEC];
-    load_param<VEC>(w, this->weight, c0, cnt, 1.f);
+    load_param<VEC>(w, this->weight, c0, 1.f);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) v[j] = v[j] * o.rstd * w[j];
   }
@@ -189,7 +208,7 @@ struct RmsNormOp : NormOpBase<T, SumSq> {
 
 // Vector accesses need x's rows and the per-column parameters 16-byte aligned.
 template <typename T>
-bool norm_vectorizable(const T* x, const RowLayout& layout, const T* weight, const T* bias) {
+bool norm_aligned(const T* x, const RowLayout& layout, const T* weight, const T* bias) {
   return layout.col_stride == 1 && rows_aligned(x, layout.row, sizeof(T), 16) &&
          ptr_aligned(weight, 16) && ptr_aligned(bias, 16);
 }
@@ -205,7 +224,7 @@ cudaError_t launch_layer_norm(T* x, const RowLayout& layout, const T* weight, co
   op.rstd_out = rstd_out;
   op.eps = eps;
   op.n = layout.n;
-  return launch_rows(x, layout, op, norm_vectorizable(x, layout, weight, bias), stream);
+  return launch_rows(x, layout, op, norm_aligned(x, layout, weight, bias), stream);
 }
 
 template <typename T>
@@ -216,7 +235,7 @@ cudaError_t launch_rms_norm(T* x, const RowLayout& layout, const T* weight, floa
   op.rstd_out = rstd_out;
   op.eps = eps;
   op.n = layout.n;
-  return launch_rows(x, layout, op, norm_vectorizable<T>(x, layout, weight, nullptr), stream);
+  return launch_rows(x, layout, op, norm_aligned<T>(x, layout, weight, nullptr), stream);
 }
 
 #define MTI_INSTANTIATE_NORMS(T)                                                            \

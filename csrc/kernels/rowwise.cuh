@@ -10,25 +10,28 @@
 //    sm_90+, by a cluster of up to 16 of them that reduce over distributed shared memory.
 //  - kStream: rows too long for the above: the row is read once to reduce and once more to
 //    write.
-// With col_stride 1 and 16-byte aligned rows (and weight/bias) every access moves 16 bytes
-// (VEC elements); anything else (col_stride != 1, unaligned rows, odd N) runs the same paths
-// with VEC = 1, element by element.
+// With col_stride 1, 16-byte aligned rows (and weight/bias) and N a multiple of 16 bytes every
+// access moves 16 bytes (VEC elements); anything else (col_stride != 1, unaligned rows, odd N)
+// runs the same paths with VEC = 1, element by element.
 //
 // Op concept (see kernels/softmax.cu and kernels/norm.cu):
 //   using State;                    reduction state, see kernels/reduce.cuh
 //   static constexpr float kPad;    value of a column that is not read: past the row's end or
 //                                   past its causal limit. local() must treat it as absent.
 //   struct Row { int64_t load_end; ... };   per-row context; columns >= load_end are not read
-//   Row row(int64_t r) const;
+//   Row row(int64_t r, const T* x_row) const;    x_row: the row's first element
 //   template <int VEC> using Aux;   per-vector side input read along with x (mask values)
 //   void load_aux<VEC>(Aux<VEC>&, const Row&, int64_t c0, int cnt) const;
-//   void prepare<VEC>(float (&v)[VEC], const Aux<VEC>&, int cnt) const;  x -> z, elements < cnt
+//       the side input of the vector at c0, of which the elements < cnt will be used (none
+//       when cnt is 0: read nothing then)
+//   void prepare<VEC>(float (&v)[VEC], const Aux<VEC>&, const Row&, int cnt) const;
+//       x -> z for the elements < cnt
 //   State local<NV, VEC>(float (&z)[NV][VEC], Valid valid) const;
 //       the state of one thread's chunk; valid(k, j) tells whether z[k][j] is a column of the
 //       row. May rewrite z into the form output() expects (softmax stores exp(z - local max)).
 //   struct Fin; Fin finish(const State& total) const;           row constants
 //   struct Out; Out out(const Fin&, const State& chunk) const;  constants for one chunk
-//   void output<VEC>(float (&v)[VEC], const Out&, int64_t c0, int cnt) const;  z -> y
+//   void output<VEC>(float (&v)[VEC], const Out&, int64_t c0) const;  z -> y, a whole vector
 //   void save(int64_t row, const Fin&) const;                   per-row side output (rstd)
 #pragma once
 
@@ -73,39 +76,30 @@ struct alignas(sizeof(T) * N) Packed {
 // The Aux of an op that reads nothing but x.
 struct NoAux {};
 
-// Reads elements [c0, c0 + cnt) of a row (cnt <= VEC) into raw. A full vector is one aligned
-// access (VEC > 1 implies col_stride 1 and aligned rows); a partial one is read element-wise
-// and zero-filled. Col is int on the resident paths (rows shorter than 2^31), int64_t else.
+// The vector of VEC elements from column c0 of a row. VEC > 1 only where col_stride is 1, row
+// starts are 16-byte aligned and n is a multiple of VEC, so a vector that starts in the row
+// lies in it whole. Col is int on the resident paths (rows shorter than 2^31), int64_t else.
 template <int VEC, typename T, typename Col>
-__device__ __forceinline__ void load_packed(Packed<T, VEC>& raw, const T* row, Col c0, int cnt,
-                                            int64_t col_stride) {
-  if (cnt == VEC) {
-    if constexpr (VEC == 1)
-      raw.v[0] = row[c0 * col_stride];
-    else
-      raw = *reinterpret_cast<const Packed<T, VEC>*>(row + c0);
+__device__ __forceinline__ Packed<T, VEC> load_vec(const T* row, Col c0, int64_t col_stride) {
+  if constexpr (VEC == 1) {
+    Packed<T, 1> p;
+    p.v[0] = row[c0 * col_stride];
+    return p;
   } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) raw.v[j] = j < cnt ? row[(c0 + j) * col_stride] : T();
+    return *reinterpret_cast<const Packed<T, VEC>*>(row + c0);
   }
 }
 
 template <int VEC, typename T, typename Col>
-__device__ __forceinline__ void store_packed(T* row, Col c0, int cnt, int64_t col_stride,
-                                             const float (&v)[VEC]) {
-  if (cnt == VEC) {
-    Packed<T, VEC> raw;
+__device__ __forceinline__ void store_vec(T* row, Col c0, int64_t col_stride,
+                                          const float (&v)[VEC]) {
+  Packed<T, VEC> p;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) raw.v[j] = from_float<T>(v[j]);
-    if constexpr (VEC == 1)
-      row[c0 * col_stride] = raw.v[0];
-    else
-      *reinterpret_cast<Packed<T, VEC>*>(row + c0) = raw;
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j)
-      if (j < cnt) row[(c0 + j) * col_stride] = from_float<T>(v[j]);
-  }
+  for (int j = 0; j < VEC; ++j) p.v[j] = from_float<T>(v[j]);
+  if constexpr (VEC == 1)
+    row[c0 * col_stride] = p.v[0];
+  else
+    *reinterpret_cast<Packed<T, VEC>*>(row + c0) = p;
 }
 
 // How many of the VEC elements from column c0 on lie before `limit` (0..VEC).
@@ -132,10 +126,11 @@ struct StepCursor {
 // step in registers.
 constexpr int kAuxBatchBytes = 64;
 
-// Reads one step of NV vectors into z (x -> z via the op, kPad past `load_end`) and returns
-// the op's state of it. kFull: every vector lies before `load_end` (<= `end`), so the accesses
-// are unconditional and every element is a column of the row. All of x's loads are issued
-// before any value is used.
+// Reads one step of NV vectors into z (x -> z via the op, kPad from `load_end` on) and returns
+// the op's state of it. A vector is read if it starts before `load_end`; its elements from
+// `load_end` on are replaced by kPad. kFull: every vector lies before `load_end` (<= `end`),
+// so the accesses are unconditional and every element is a column of the row. All of x's
+// loads are issued before any value is used.
 template <bool kFull, int NV, int VEC, class Op, typename T, typename Col, int kStride>
 __device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], const Op& op,
                                                            const T* row,
@@ -143,13 +138,13 @@ __device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], 
                                                            const StepCursor<Col, kStride>& at,
                                                            int64_t col_stride, Col load_end,
                                                            Col end) {
-  Packed<T, VEC> raw[NV];
+  Packed<T, VEC> raw[NV] = {};
   int cnt[NV];
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const Col c0 = at.col(k, VEC);
     cnt[k] = kFull ? VEC : count_before<VEC>(load_end, c0);
-    load_packed<VEC>(raw[k], row, c0, cnt[k], col_stride);
+    if (cnt[k] > 0) raw[k] = load_vec<VEC>(row, c0, col_stride);
   }
   using Aux = typename Op::template Aux<VEC>;
   constexpr int kMaxBatch = kAuxBatchBytes / sizeof(Aux) > 0 ? kAuxBatchBytes / sizeof(Aux) : 1;
@@ -165,7 +160,7 @@ __device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], 
       const int k = k0 + b;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) z[k][j] = j < cnt[k] ? to_float(raw[k].v[j]) : Op::kPad;
-      op.template prepare<VEC>(z[k], aux[b], cnt[k]);
+      op.template prepare<VEC>(z[k], aux[b], rc, cnt[k]);
     }
   }
   int in_row[NV];
@@ -186,7 +181,8 @@ __device__ __forceinline__ typename Op::State read_step(float (&z)[NV][VEC], con
   return read_vectors<false>(z, op, row, rc, at, col_stride, load_end, end);
 }
 
-// Turns one step of z into outputs and stores the columns before `end`.
+// Turns one step of z into outputs and stores the vectors that start before `end` (and so lie
+// in the row whole).
 template <bool kFull, int NV, int VEC, class Op, typename T, typename Col, int kStride>
 __device__ __forceinline__ void write_vectors(float (&z)[NV][VEC], const Op& op,
                                               const typename Op::Out& out, T* row,
@@ -195,10 +191,9 @@ __device__ __forceinline__ void write_vectors(float (&z)[NV][VEC], const Op& op,
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const Col c0 = at.col(k, VEC);
-    const int cnt = kFull ? VEC : count_before<VEC>(end, c0);
-    if (cnt > 0) {
-      op.template output<VEC>(z[k], out, c0, cnt);
-      store_packed<VEC>(row, c0, cnt, col_stride, z[k]);
+    if (kFull || c0 < end) {
+      op.template output<VEC>(z[k], out, c0);
+      store_vec<VEC>(row, c0, col_stride, z[k]);
     }
   }
 }
@@ -260,7 +255,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     typename Op::Row rc{};
     if (active) {
       row += layout.row.offset(r);
-      rc = op.row(r);
+      rc = op.row(r, row);
     }
     // Inactive threads (past the last row) take part in the reductions with empty chunks.
     const Col load_end = active ? static_cast<Col>(rc.load_end) : 0;
@@ -421,11 +416,11 @@ inline bool ptr_aligned(const void* p, int64_t align) {
   return reinterpret_cast<uintptr_t>(p) % align == 0;
 }
 
-// Picks the path (see the top of this file) and launches it. `vectorizable`: col_stride is 1
-// and every row start, and every per-column side input the op reads by vectors, is 16-byte
-// aligned.
+// Picks the path (see the top of this file) and launches it. `aligned`: col_stride is 1 and
+// every row start, and every per-column side input the op reads by vectors, is 16-byte
+// aligned; with n a multiple of VEC too, the kernels move 16 bytes per access.
 template <class Op, typename T>
-cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool vectorizable,
+cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligned,
                         cudaStream_t stream) {
   if (layout.rows == 0 || layout.n == 0) return cudaSuccess;
   int device = 0;
@@ -434,7 +429,7 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool vector
   if (err != cudaSuccess) return err;
   const int64_t n = layout.n;
 
-  if (!vectorizable) {
+  if (!aligned || n % kVec<T> != 0) {
     if (n <= kWarpSize * kScalarNV) {
       const int tpr = static_cast<int>(next_pow2(ceil_div(n, kScalarNV)));
       return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kResident>(x, layout, op, kSmallRowThreads, tpr,

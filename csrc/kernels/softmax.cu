@@ -44,16 +44,19 @@ struct SoftmaxOp {
   using MaskT = std::conditional_t<kMask == MaskKind::kBool, uint8_t, T>;
   // An unread column (causal limit, past the end) is a masked one.
   static constexpr float kPad = -INFINITY;
-  // Per vector: the additive mask's values, or the bool mask as one bit per element.
+  // Per vector: the additive mask's values, or the bool mask's bytes as one integer (kept
+  // packed: a byte per register would crowd out the row).
+  template <int VEC>
+  using BoolWord = std::conditional_t<VEC == 8, uint64_t,
+                                      std::conditional_t<VEC == 4, uint32_t, uint8_t>>;
   template <int VEC>
   using Aux = std::conditional_t<kMask == MaskKind::kNone, NoAux,
-                                 std::conditional_t<kMask == MaskKind::kBool, uint32_t,
+                                 std::conditional_t<kMask == MaskKind::kBool, BoolWord<VEC>,
                                                     Packed<MaskT, VEC>>>;
 
   const MaskT* mask;
   RowIndexer mask_rows;
-  int64_t mask_col_stride;
-  bool mask_vec;  // mask_col_stride is 1 and mask rows are aligned for kVec<T>-element reads
+  int64_t mask_col_stride;  // 1 whenever VEC > 1
   float scale;
   bool log;
   bool causal;
@@ -65,7 +68,7 @@ struct SoftmaxOp {
     const MaskT* mask;
   };
 
-  __device__ __forceinline__ Row row(int64_t r) const {
+  __device__ __forceinline__ Row row(int64_t r, const T*) const {
     Row rc;
     rc.load_end = n;
     if (causal) {
@@ -80,38 +83,24 @@ struct SoftmaxOp {
   __device__ __forceinline__ void load_aux(Aux<VEC>& a, const Row& rc, int64_t c0,
                                            int cnt) const {
     if constexpr (kMask == MaskKind::kAdditive) {
-      if (cnt == VEC && mask_vec) {
-        a = *reinterpret_cast<const Packed<MaskT, VEC>*>(rc.mask + c0);
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j)
-          a.v[j] = j < cnt ? rc.mask[(c0 + j) * mask_col_stride] : MaskT();
-      }
+      a = cnt > 0 ? load_vec<VEC>(rc.mask, c0, mask_col_stride) : Aux<VEC>{};
     } else if constexpr (kMask == MaskKind::kBool) {
-      a = 0;
-      if (cnt == VEC && mask_vec) {
-        // VEC bytes in one access: 4 or 8 bytes for 16-byte vectors of x, 1 on the scalar path.
-        using Word = std::conditional_t<VEC == 8, uint64_t,
-                                        std::conditional_t<VEC == 4, uint32_t, uint8_t>>;
-        static_assert(sizeof(Word) == VEC, "one mask byte per element");
-        const Word w = *reinterpret_cast<const Word*>(rc.mask + c0);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) a |= ((w >> (8 * j)) & 0xff) != 0 ? 1u << j : 0u;
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j)
-          a |= j < cnt && rc.mask[(c0 + j) * mask_col_stride] != 0 ? 1u << j : 0u;
-      }
+      static_assert(sizeof(Aux<VEC>) == VEC, "one mask byte per element");
+      if constexpr (VEC == 1)
+        a = cnt > 0 ? rc.mask[c0 * mask_col_stride] : 0;
+      else
+        a = cnt > 0 ? *reinterpret_cast<const Aux<VEC>*>(rc.mask + c0) : 0;
     }
   }
 
   template <int VEC>
-  __device__ __forceinline__ void prepare(float (&v)[VEC], const Aux<VEC>& a, int cnt) const {
+  __device__ __forceinline__ void prepare(float (&v)[VEC], const Aux<VEC>& a, const Row&,
+                                          int cnt) const {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       if (j < cnt) {
         float z = v[j] * scale;
-        if constexpr (kMask == MaskKind::kBool) z = (a >> j) & 1u ? z : -INFINITY;
+        if constexpr (kMask == MaskKind::kBool) z = ((a >> (8 * j)) & 0xff) != 0 ? z : -INFINITY;
         if constexpr (kMask == MaskKind::kAdditive) z += to_float(a.v[j]);
         v[j] = z;
       }
@@ -175,7 +164,7 @@ struct SoftmaxOp {
   }
 
   template <int VEC>
-  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t, int) const {
+  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t) const {
 #pragma unroll
     for (int j = 0; j < VEC; ++j)
       v[j] = !log ? v[j] * o.factor : o.fin.empty ? 0.f : (v[j] - o.fin.m) - o.fin.log_s;
@@ -187,21 +176,25 @@ struct SoftmaxOp {
 template <typename T, MaskKind kMask>
 cudaError_t launch_masked(T* x, const RowLayout& layout, const void* mask,
                           const MaskLayout& mask_layout, const SoftmaxParams& params,
-                          bool vectorizable, cudaStream_t stream) {
+                          cudaStream_t stream) {
   using Op = SoftmaxOp<T, kMask>;
   using MaskT = typename Op::MaskT;
   Op op;
   op.mask = static_cast<const MaskT*>(mask);
   op.mask_rows = mask_layout.row;
   op.mask_col_stride = mask_layout.col_stride;
-  op.mask_vec = kMask != MaskKind::kNone && mask_layout.col_stride == 1 &&
-                rows_aligned(mask, mask_layout.row, sizeof(MaskT), sizeof(MaskT) * kVec<T>);
   op.scale = params.scale;
   op.log = params.log;
   op.causal = params.causal;
   op.q_len = params.q_len;
   op.n = layout.n;
-  return launch_rows(x, layout, op, vectorizable, stream);
+  // Vector accesses need x's rows and the mask's rows (if any) aligned to a vector.
+  const bool aligned =
+      layout.col_stride == 1 && rows_aligned(x, layout.row, sizeof(T), 16) &&
+      (kMask == MaskKind::kNone ||
+       (mask_layout.col_stride == 1 &&
+        rows_aligned(mask, mask_layout.row, sizeof(MaskT), sizeof(MaskT) * kVec<T>)));
+  return launch_rows(x, layout, op, aligned, stream);
 }
 
 }  // namespace
@@ -210,20 +203,15 @@ template <typename T>
 cudaError_t launch_softmax(T* x, const RowLayout& layout, const void* mask,
                            const MaskLayout& mask_layout, const SoftmaxParams& params,
                            cudaStream_t stream) {
-  const bool vectorizable =
-      layout.col_stride == 1 && rows_aligned(x, layout.row, sizeof(T), 16);
   switch (mask_layout.kind) {
     case MaskKind::kBool:
-      return launch_masked<T, MaskKind::kBool>(x, layout, mask, mask_layout, params,
-                                               vectorizable, stream);
+      return launch_masked<T, MaskKind::kBool>(x, layout, mask, mask_layout, params, stream);
     case MaskKind::kAdditive:
-      return launch_masked<T, MaskKind::kAdditive>(x, layout, mask, mask_layout, params,
-                                                   vectorizable, stream);
+      return launch_masked<T, MaskKind::kAdditive>(x, layout, mask, mask_layout, params, stream);
     case MaskKind::kNone:
       break;
   }
-  return launch_masked<T, MaskKind::kNone>(x, layout, mask, mask_layout, params, vectorizable,
-                                           stream);
+  return launch_masked<T, MaskKind::kNone>(x, layout, mask, mask_layout, params, stream);
 }
 
 template cudaError_t launch_softmax<float>(float*, const RowLayout&, const void*,
