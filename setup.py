@@ -61,7 +61,7 @@ setup(
     name="make-torch-inplace",
     version="0.1.0",
     description="In-place transformer ops (square matmul, softmax, LayerNorm, RMSNorm) for PyTorch",
-    license="Apache-2.0",
+    license="MIT",
     packages=find_packages(include=["make_torch_inplace", "make_torch_inplace.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],

@@ -1,5 +1,738 @@
-"""Model rewriting (filled in by the convert work)."""
+"""Whole-model conversion: run ops in place exactly where their input is dead.
+
+``convert(model)`` captures the model's forward with ``torch.compile`` and a backend of ours.
+Dynamo hands that backend torch-level FX graphs (``F.softmax``, ``F.linear``, ``operator.add``,
+``Tensor.view`` ... as call_function / call_method nodes), one per captured region, with a
+FakeTensor in ``node.meta["example_value"]`` for every value. The backend rewrites a node into
+its in-place form when the tensor it would overwrite is dead there:
+
+- Aliasing comes from the FakeTensors: Dynamo runs every op on fake tensors that share storage
+  exactly where the real ones will (views, ``reshape`` that is a view, ``.to``/``.contiguous``/
+  ``dropout`` that return their input, ...), so tensors are grouped by fake storage.
+- A group may be overwritten at position i when none of its tensors is a graph input (model
+  inputs, parameters and buffers are all placeholders under Dynamo) and no node after i reads
+  any of them (graph outputs included). An op's other operands must not share the group.
+- The written tensor must already have the output's shape, strides and dtype, so every later
+  node sees the layout it was traced with.
+- Folding ops into one (the scale and mask into softmax) moves reads of their operands to the
+  folded op's position; nothing may touch those operands in between.
+- A graph with a value whose aliasing is unknown (a call without an example value, a
+  non-strided tensor) is left unchanged. Our own ops, which return nothing, count as reads.
+- Inference only: autograd would save tensors that a later in-place op overwrites, so the
+  converted model refuses to run where autograd records.
+
+Patterns: F.linear / addmm / matmul with a square weight (-> linear_ / square_matmul_),
+softmax / log_softmax with the scale and additive mask that feed them folded in
+(``softmax(x * c + mask)``) and with ``softmax(x, dtype=float32).to(x.dtype)`` folded into one
+op, layer_norm / rms_norm, and elementwise arithmetic and activations (-> PyTorch's own
+``mul_``, ``add_``, ``tanh_``, ...). Module forms (nn.Linear, nn.Softmax, ...) reach the
+backend as these functions, since Dynamo inlines torch.nn modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+
+from . import ops
+
+__all__ = ["ConvertedModule", "Site", "convert"]
+
+# Dynamo keeps compiled graphs per code object, shared by every instance of a model class, and
+# each convert() brings its own backend; the default limit (8) would send later converted
+# instances (or shapes) back to plain eager without rewriting.
+_RECOMPILE_LIMIT = 64
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def convert(model, verbose=False):
-    raise NotImplementedError("convert is not implemented yet")
+def convert(model: nn.Module, verbose: bool = False) -> ConvertedModule:
+    """Returns a module computing `model`'s forward with ops run in place where that is safe.
+
+    An op writes over its input only where that input is dead: read by nothing later, not a
+    model input, parameter or buffer, not visible through a view that is still used. The
+    model is captured with torch.compile on its first call (and again for new shapes); with
+    ``verbose=True`` each capture prints the rewritten sites and the bytes each saves, which
+    also accumulate in ``ConvertedModule.sites``. `model` itself is left unchanged and shares
+    its parameters with the result.
+
+    Inference only: running the result where autograd would record (grad mode on and a
+    parameter or input that requires grad) raises RuntimeError; use torch.no_grad() or
+    torch.inference_mode(), or the original model for training.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
+    return ConvertedModule(model, verbose=verbose)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One rewritten place: the ops in `pattern` now run as `op`, writing over a dead tensor."""
+
+    op: str  # the in-place op, e.g. "softmax_", "linear_", "mul_"
+    pattern: str  # the original ops, e.g. "mul -> add -> softmax -> to"
+    where: str  # module path and source line of the original op
+    shape: tuple[int, ...]  # output shape (size hints for dynamic dims)
+    dtype: torch.dtype
+    # Bytes of the output the original op allocated, which it no longer does. A square
+    # matmul borrows up to the workspace limit (mti.set_workspace_limit) while it runs, so
+    # its net saving is nbytes minus that.
+    nbytes: int
+
+    def __str__(self) -> str:
+        shape = "x".join(map(str, self.shape))
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{self.where}: {self.pattern} -> {self.op} [{shape} {dtype}] "
+            f"saves {self.nbytes:,} bytes"
+        )
+
+
+class ConvertedModule(nn.Module):
+    """`module` with its forward rewritten to run ops in place; made by convert()."""
+
+    def __init__(self, module: nn.Module, verbose: bool = False) -> None:
+        super().__init__()
+        self.module = module
+        self._backend = _Backend(verbose)
+        # A bound method, not the OptimizedModule torch.compile(module) would return, so the
+        # parameters are registered once (under self.module).
+        self._compiled_call = torch.compile(module.__call__, backend=self._backend)
+
+    @property
+    def sites(self) -> list[Site]:
+        """Every site rewritten so far, over all captured graphs and recompilations."""
+        return self._backend.sites
+
+    def forward(self, *args, **kwargs):
+        _check_no_autograd(self.module, args, kwargs)
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            return self._compiled_call(*args, **kwargs)
+
+
+class _Backend:
+    """The torch.compile backend of one converted module. Dynamo's caches keep it alive, so
+    it holds no reference to the module (whose parameters reach the graphs as inputs)."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose
+        self.sites: list[Site] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
+        self.sites.extend(_rewrite_graph(gm, report=print if self.verbose else None))
+        return gm.forward
+
+
+def _check_no_autograd(module: nn.Module, args, kwargs) -> None:
+    if not torch.is_grad_enabled():
+        return
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(t.requires_grad for t in tensors) or any(
+        p.requires_grad for p in module.parameters()
+    ):
+        raise RuntimeError(
+            "convert: the converted model runs ops in place, which is only done for "
+            "inference, but autograd would record this call (grad mode is on and a parameter "
+            "or input requires grad). Call it under torch.no_grad() or torch.inference_mode(), "
+            "freeze the parameters (requires_grad_(False)), or train with the original model."
+        )
+
+
+# --------------------------------------------------------------------------- graph rewriting
+
+
+def _rewrite_graph(gm: fx.GraphModule, report: Callable[[str], None] | None = None) -> list[Site]:
+    """Rewrites a Dynamo graph in place (see the module docstring); returns the sites."""
+    blocker = _unanalyzable_node(gm.graph)
+    if blocker is not None:
+        if report:
+            report(
+                f"mti.convert: graph left unchanged: the aliasing of node {blocker.name} "
+                f"({blocker.target}) is unknown (no example value, or not a strided tensor)"
+            )
+        return []
+    rewriter = _Rewriter(gm.graph)
+    # Softmax first: it folds the scale and mask ops before them, which the elementwise
+    # rewrites of the second pass would otherwise take.
+    for node in list(gm.graph.nodes):
+        if _match(node, ("softmax", "log_softmax")):
+            rewriter.softmax(node)
+    for node in list(gm.graph.nodes):
+        rewriter.other(node)
+    gm.graph.lint()
+    gm.recompile()
+    if report:
+        for site in rewriter.sites:
+            report(f"mti.convert: {site}")
+    return rewriter.sites
+
+
+class _Liveness:
+    """Groups of tensors sharing storage, and the last position at which each group is read.
+
+    Groups are union-find sets over fake storages. A rewrite that makes node n write over
+    tensor x merges n's storage into x's, and marks every input of the new node as read at
+    its position.
+    """
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.pos: dict[fx.Node, int] = {}
+        self._parent: dict[StorageWeakRef, StorageWeakRef] = {}
+        self._last_read: dict[StorageWeakRef, int] = {}
+        self._inputs: set[StorageWeakRef] = set()
+        for i, node in enumerate(graph.nodes):
+            self.pos[node] = i
+            for key in _storages(node):
+                self._parent.setdefault(key, key)
+                if node.op in ("placeholder", "get_attr"):
+                    self._inputs.add(key)
+            self.note_reads(node, i)
+
+    def _root(self, key: StorageWeakRef) -> StorageWeakRef:
+        while self._parent[key] != key:
+            self._parent[key] = self._parent[self._parent[key]]
+            key = self._parent[key]
+        return key
+
+    def _roots(self, node) -> set[StorageWeakRef]:
+        if not isinstance(node, fx.Node):
+            return set()
+        return {self._root(k) for k in _storages(node)}
+
+    def note_reads(self, node: fx.Node, pos: int) -> None:
+        for inp in node.all_input_nodes:
+            for root in self._roots(inp):
+                self._last_read[root] = max(self._last_read.get(root, -1), pos)
+
+    def dead_after(self, node: fx.Node, pos: int) -> bool:
+        """True if `node`'s value may be overwritten at `pos`: nothing reads it later."""
+        roots = self._roots(node)
+        return bool(roots) and all(
+            r not in self._inputs and self._last_read.get(r, -1) <= pos for r in roots
+        )
+
+    def disjoint(self, node: fx.Node, others: Iterable) -> bool:
+        mine = self._roots(node)
+        return all(not (mine & self._roots(o)) for o in others)
+
+    def merge(self, old: fx.Node, target: fx.Node) -> None:
+        """`old`'s storage now is `target`'s (old was rewritten to write over target)."""
+        keep = self._root(next(iter(_storages(target))))
+        for root in self._roots(old) | self._roots(target):
+            if root != keep:
+                self._parent[root] = keep
+                self._last_read[keep] = max(
+                    self._last_read.get(keep, -1), self._last_read.get(root, -1)
+                )
+                if root in self._inputs:
+                    self._inputs.add(keep)
+
+
+class _Rewriter:
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        self.live = _Liveness(graph)
+        self.sites: list[Site] = []
+
+    # ----------------------------------------------------------------- softmax (first pass)
+
+    def softmax(self, node: fx.Node) -> None:
+        family, a = _match(node, ("softmax", "log_softmax"))
+        x, dim, dtype = a["input"], a["dim"], a["dtype"]
+        if not isinstance(dim, int) or _tensor(x) is None:
+            return
+        result = node  # the node whose value the in-place op provides
+        if dtype is not None and dtype != _tensor(x).dtype:
+            # softmax(x, dtype=float32).to(x.dtype): one op in x's dtype, accumulating in fp32.
+            users = list(node.users)
+            if len(users) != 1 or not _is_conversion(users[0], node):
+                return
+            result = users[0]
+        pos = self.live.pos[node]
+        out = _tensor(result)
+        for base, scale, mask, folded in _softmax_inputs(x):
+            t = _tensor(base)
+            if (
+                t is not None
+                and _inplace_ok(t, out, mti_op=True)
+                and (mask is None or _mask_ok(_tensor(mask), t))
+                and self.live.dead_after(base, pos)
+                and self.live.disjoint(base, [mask])
+                and self._unread_between(folded, node, [base, mask])
+            ):
+                kwargs = {"dim": dim}
+                if scale is not None:
+                    kwargs["scale"] = scale
+                if mask is not None:
+                    kwargs["mask"] = mask
+                fn = ops.softmax_ if family == "softmax" else ops.log_softmax_
+                pattern = [_name(n) for n in folded] + [family]
+                if result is not node:
+                    pattern.append(_name(result))
+                self._replace(
+                    result, fn, (base,), kwargs, base, at=node, erase=[node, *reversed(folded)]
+                )
+                self._site(fn, pattern, node, result)
+                return
+
+    def _unread_between(self, folded: list[fx.Node], node: fx.Node, operands) -> bool:
+        """Folding moves the reads of `operands` from folded[0] to `node`: nothing else may
+        touch (read, hence possibly write) them in between."""
+        if not folded:
+            return True
+        between = folded[0].next
+        while between is not node:
+            if between not in folded and not all(
+                self.live.disjoint(inp, operands) for inp in between.all_input_nodes
+            ):
+                return False
+            between = between.next
+        return True
+
+    # ----------------------------------------------------------------- everything else
+
+    def other(self, node: fx.Node) -> None:
+        m = _match(node)
+        if m is None:
+            return
+        family, a = m
+        if family in _ELEMENTWISE:
+            self._elementwise(node, family, a)
+        elif family in ("linear", "matmul", "addmm"):
+            self._matmul(node, family, a)
+        elif family in ("layer_norm", "rms_norm"):
+            self._norm(node, family, a)
+
+    def _elementwise(self, node, family, a) -> None:
+        fn, rest, carried = _ELEMENTWISE[family]
+        if a.get("inplace"):  # already in place
+            return
+        orders = [("input", *rest)]
+        if family in ("add", "mul") and a.get("alpha", 1) == 1:
+            orders.append(("other", "input"))  # commutative: write over either operand
+        pos = self.live.pos[node]
+        out = _tensor(node)
+        for order in orders:
+            target, *others = (a[k] for k in order)
+            t = _tensor(target)
+            if (
+                t is not None
+                and _inplace_ok(t, out, mti_op=False)
+                and self.live.dead_after(target, pos)
+                and self.live.disjoint(target, others)
+            ):
+                kwargs = {k: a[k] for k in carried if a[k] != _DEFAULTS[family][k]}
+                self._replace(node, fn, (target, *others), kwargs, target)
+                self._site(fn, [family], node, node)
+                return
+
+    def _matmul(self, node, family, a) -> None:
+        if family == "linear":
+            x, weight, bias, fn = a["input"], a["weight"], a["bias"], ops.linear_
+        elif family == "matmul":
+            x, weight, bias, fn = a["input"], a["other"], None, ops.square_matmul_
+        else:  # addmm(bias, x, weight): GPT-2's Conv1D
+            if a["beta"] != 1 or a["alpha"] != 1:
+                return
+            x, weight, bias, fn = a["mat1"], a["mat2"], a["input"], ops.square_matmul_
+        t, w = _tensor(x), _tensor(weight)
+        if t is None or w is None or w.dim() != 2 or not _same(w.shape[0], w.shape[1]):
+            return
+        if bias is not None and (_tensor(bias) is None or _tensor(bias).dim() != 1):
+            return
+        params = [weight] + ([bias] if bias is not None else [])
+        if not all(_like(_tensor(p), t) for p in params):
+            return
+        pos = self.live.pos[node]
+        if (
+            t.dim() >= 1
+            and _inplace_ok(t, _tensor(node), mti_op=True)
+            and self.live.dead_after(x, pos)
+            and self.live.disjoint(x, params)
+        ):
+            self._replace(node, fn, (x, weight, bias), {}, x)
+            self._site(fn, [family], node, node)
+
+    def _norm(self, node, family, a) -> None:
+        x, weight = a["input"], a["weight"]
+        t = _tensor(x)
+        params = [p for p in (weight, a.get("bias")) if p is not None]
+        if t is None or not all(_like(_tensor(p), t) for p in params):
+            return
+        pos = self.live.pos[node]
+        if not (
+            _inplace_ok(t, _tensor(node), mti_op=True)
+            and self.live.dead_after(x, pos)
+            and self.live.disjoint(x, params)
+        ):
+            return
+        if family == "layer_norm":
+            fn, args = ops.layer_norm_, (x, a["normalized_shape"], weight, a["bias"], a["eps"])
+        else:
+            fn, args = ops.rms_norm_, (x, a["normalized_shape"], weight, a["eps"])
+        self._replace(node, fn, args, {}, x)
+        self._site(fn, [family], node, node)
+
+    # ----------------------------------------------------------------- shared
+
+    def _replace(self, result, fn, args, kwargs, target, at=None, erase=()) -> None:
+        """Puts `fn(*args, **kwargs)`, which writes over `target`, in the place of `result`.
+
+        The new node goes where `at` (default: `result`) was; `result` and then the nodes in
+        `erase` (folded into the new op, each used only by the next) are removed.
+        """
+        at = result if at is None else at
+        with self.graph.inserting_before(at):
+            new = self.graph.call_function(fn, args, kwargs)
+        new.meta.update(result.meta)
+        # The op returns `target` itself, so the new node's value is target's fake tensor:
+        # its storage (and hence group) and layout are target's.
+        new.meta["example_value"] = target.meta["example_value"]
+        pos = self.live.pos[at]
+        self.live.pos[new] = pos
+        self.live.merge(result, target)
+        result.replace_all_uses_with(new)
+        for dead in dict.fromkeys([result, *erase]):
+            self.graph.erase_node(dead)
+        self.live.note_reads(new, pos)
+
+    def _site(self, fn, pattern: Sequence[str], origin: fx.Node, result: fx.Node) -> None:
+        # `result` is out of the graph by now, but keeps its meta: the output it allocated.
+        out = result.meta["example_value"]
+        shape = tuple(_hint(s) for s in out.shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        self.sites.append(
+            Site(
+                op=_op_name(fn),
+                pattern=" -> ".join(pattern),
+                where=_where(origin),
+                shape=shape,
+                dtype=out.dtype,
+                nbytes=numel * out.element_size(),
+            )
+        )
+
+
+# --------------------------------------------------------------------------- op matching
+
+# Parameter names of each recognised function or Tensor method, in positional order.
+_SOFTMAX_F = ("input", "dim", "_stacklevel", "dtype")
+_SOFTMAX = ("input", "dim", "dtype")
+_LINEAR = ("input", "weight", "bias")
+_MATMUL = ("input", "other")
+_ADDMM = ("input", "mat1", "mat2", "beta", "alpha")
+_LAYER_NORM = ("input", "normalized_shape", "weight", "bias", "eps")
+_RMS_NORM = ("input", "normalized_shape", "weight", "eps")
+_BINARY = ("input", "other")
+_ALPHA = ("input", "other", "alpha")
+_DIV = ("input", "other", "rounding_mode")
+_UNARY = ("input",)
+_WITH_INPLACE = ("input", "inplace")
+_POW = ("input", "exponent")
+_UNARY_NAMES = ("tanh", "exp", "sigmoid", "neg", "rsqrt", "sqrt", "relu")
+
+_FUNCTIONS: dict[Callable, tuple[str, tuple[str, ...]]] = {
+    F.linear: ("linear", _LINEAR),
+    operator.matmul: ("matmul", _MATMUL),
+    torch.matmul: ("matmul", _MATMUL),
+    torch.mm: ("matmul", _MATMUL),
+    torch.addmm: ("addmm", _ADDMM),
+    F.softmax: ("softmax", _SOFTMAX_F),
+    torch.softmax: ("softmax", _SOFTMAX),
+    F.log_softmax: ("log_softmax", _SOFTMAX_F),
+    torch.log_softmax: ("log_softmax", _SOFTMAX),
+    F.layer_norm: ("layer_norm", _LAYER_NORM),
+    torch.layer_norm: ("layer_norm", (*_LAYER_NORM, "cudnn_enable")),
+    F.rms_norm: ("rms_norm", _RMS_NORM),
+    torch.rms_norm: ("rms_norm", _RMS_NORM),
+    operator.add: ("add", _BINARY),
+    torch.add: ("add", _ALPHA),
+    operator.sub: ("sub", _BINARY),
+    torch.sub: ("sub", _ALPHA),
+    operator.mul: ("mul", _BINARY),
+    torch.mul: ("mul", _BINARY),
+    operator.truediv: ("div", _BINARY),
+    torch.div: ("div", _DIV),
+    F.relu: ("relu", _WITH_INPLACE),
+    F.silu: ("silu", _WITH_INPLACE),
+    F.gelu: ("gelu", ("input", "approximate")),
+    torch.pow: ("pow", _POW),
+    **{getattr(torch, name): (name, _UNARY) for name in _UNARY_NAMES},
+}
+
+_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "softmax": ("softmax", _SOFTMAX),
+    "log_softmax": ("log_softmax", _SOFTMAX),
+    "matmul": ("matmul", _MATMUL),
+    "add": ("add", _ALPHA),
+    "sub": ("sub", _ALPHA),
+    "mul": ("mul", _BINARY),
+    "div": ("div", _DIV),
+    "pow": ("pow", _POW),
+    **{name: (name, _UNARY) for name in _UNARY_NAMES},
+}
+
+# Defaults of the optional parameters; a parameter without one is required.
+_SOFTMAX_DEFAULTS = {"dim": None, "_stacklevel": 3, "dtype": None}
+_DEFAULTS: dict[str, dict[str, object]] = {
+    "linear": {"bias": None},
+    "matmul": {},
+    "addmm": {"beta": 1, "alpha": 1},
+    "softmax": _SOFTMAX_DEFAULTS,
+    "log_softmax": _SOFTMAX_DEFAULTS,
+    "layer_norm": {"weight": None, "bias": None, "eps": 1e-5, "cudnn_enable": True},
+    "rms_norm": {"weight": None, "eps": None},
+    "add": {"alpha": 1},
+    "sub": {"alpha": 1},
+    "mul": {},
+    "div": {"rounding_mode": None},
+    "relu": {"inplace": False},
+    "silu": {"inplace": False},
+    "gelu": {"approximate": "none"},
+    "pow": {},
+    **{name: {} for name in _UNARY_NAMES if name != "relu"},
+}
+
+# Elementwise family -> (in-place op, operands after the one written over, kwargs carried).
+_ELEMENTWISE: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
+    "add": (torch.Tensor.add_, ("other",), ("alpha",)),
+    "sub": (torch.Tensor.sub_, ("other",), ("alpha",)),
+    "mul": (torch.Tensor.mul_, ("other",), ()),
+    "div": (torch.Tensor.div_, ("other",), ("rounding_mode",)),
+    "pow": (torch.Tensor.pow_, ("exponent",), ()),
+    "relu": (torch.relu_, (), ()),
+    "silu": (torch.ops.aten.silu_, (), ()),
+    "gelu": (torch.ops.aten.gelu_, (), ("approximate",)),
+    **{
+        name: (getattr(torch.Tensor, name + "_"), (), ())
+        for name in _UNARY_NAMES
+        if name != "relu"
+    },
+}
+
+
+def _match(node: fx.Node, families: Sequence[str] | None = None):
+    """(family, {parameter: argument}) for a node we know how to rewrite, else None."""
+    if node.op == "call_function":
+        try:
+            spec = _FUNCTIONS.get(node.target)
+        except TypeError:  # an unhashable callable
+            return None
+    elif node.op == "call_method":
+        spec = _METHODS.get(node.target)
+    else:
+        return None
+    if spec is None or (families is not None and spec[0] not in families):
+        return None
+    family, params = spec
+    bound = dict(_DEFAULTS[family])
+    if len(node.args) > len(params) or any(k not in params for k in node.kwargs):
+        return None
+    bound.update(zip(params, node.args))
+    bound.update(node.kwargs)
+    if any(p not in bound for p in params):
+        return None
+    return family, bound
+
+
+def _name(node: fx.Node) -> str:
+    m = _match(node)
+    return m[0] if m is not None else str(node.target)
+
+
+def _op_name(fn: Callable) -> str:
+    return getattr(fn, "__name__", str(fn))
+
+
+def _is_conversion(node: fx.Node, src: fx.Node) -> bool:
+    """node converts src's value to another dtype (whether it does so is checked by the caller)."""
+    return (
+        node.op == "call_method"
+        and node.target in ("to", "type", "bfloat16", "half", "float")
+        and node.args[:1] == (src,)
+    )
+
+
+def _softmax_inputs(x: fx.Node):
+    """Ways to read softmax's input x as base * scale + mask: (base, scale, mask, folded
+    nodes in graph order), the most folded first. Folded nodes are used only by the next."""
+    found = [(x, None, None, [])]
+    for p, mask in _split_mask(x):
+        found.append((p, None, mask, [x]))
+        split = _split_scale(p)
+        if split is not None:
+            base, scale = split
+            found.append((base, scale, mask, [p, x]))
+    split = _split_scale(x)
+    if split is not None:
+        found.append((split[0], split[1], None, [x]))
+    return sorted(found, key=lambda c: -len(c[3]))
+
+
+def _split_mask(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(p, mask) pairs with node == p + mask, p having node's layout; [] if not an add."""
+    m = _match(node, ("add",))
+    if m is None or m[1]["alpha"] != 1 or len(node.users) != 1:
+        return []
+    a, out = m[1], _tensor(node)
+    pairs = []
+    for p, mask in ((a["input"], a["other"]), (a["other"], a["input"])):
+        t = _tensor(p)
+        if t is not None and _tensor(mask) is not None and _inplace_ok(t, out, mti_op=True):
+            pairs.append((p, mask))
+    return pairs
+
+
+def _split_scale(node: fx.Node) -> tuple[fx.Node, float] | None:
+    """(p, c) with node == p * c for a Python number c, p having node's layout."""
+    m = _match(node, ("mul",))
+    if m is None or len(node.users) != 1:
+        return None
+    a, out = m[1], _tensor(node)
+    for p, c in ((a["input"], a["other"]), (a["other"], a["input"])):
+        t = _tensor(p)
+        if (
+            isinstance(c, (int, float))
+            and not isinstance(c, bool)
+            and t is not None
+            and _inplace_ok(t, out, mti_op=True)
+        ):
+            return p, float(c)
+    return None
+
+
+# --------------------------------------------------------------------------- fake values
+
+
+def _tensor(arg) -> torch.Tensor | None:
+    """The fake tensor an argument stands for, or None if it is not a tensor node."""
+    if not isinstance(arg, fx.Node):
+        return None
+    value = arg.meta.get("example_value")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _storages(node: fx.Node) -> set[StorageWeakRef]:
+    value = node.meta.get("example_value")
+    return {
+        StorageWeakRef(t.untyped_storage())
+        for t in pytree.tree_leaves(value)
+        if isinstance(t, torch.Tensor)
+    }
+
+
+def _unanalyzable_node(graph: fx.Graph) -> fx.Node | None:
+    """A node whose aliasing cannot be read from fake values, if the graph has one."""
+    for node in graph.nodes:
+        value = node.meta.get("example_value")
+        if any(
+            isinstance(t, torch.Tensor) and t.layout != torch.strided
+            for t in pytree.tree_leaves(value)
+        ):
+            return node
+        if "example_value" not in node.meta and (
+            node.op == "get_attr"
+            or (
+                node.op.startswith("call_")
+                and not _returns_nothing(node.target)
+                and any(map(_storages, node.all_input_nodes))
+            )
+        ):
+            return node
+    return None
+
+
+def _returns_nothing(target) -> bool:
+    """A dispatcher op that returns nothing (it only mutates its arguments, like ours): it
+    has no value to analyse, and its mutations are reads of its inputs at its position."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return all(not getattr(target, o)._schema.returns for o in target.overloads())
+    return isinstance(target, torch._ops.OpOverload) and not target._schema.returns
+
+
+def _same(a, b) -> bool:
+    """a == b for every value of the symbols in them (ints or SymInts)."""
+    return statically_known_true(a == b)
+
+
+def _hint(size) -> int:
+    """A size's value in the traced example (SymInts hold one)."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    return int(hint) if hint is not None else 0
+
+
+def _same_layout(t: torch.Tensor, u: torch.Tensor) -> bool:
+    if t.dim() != u.dim() or not all(_same(a, b) for a, b in zip(t.shape, u.shape)):
+        return False
+    return all(
+        _same(s, 1) or _same(a, b) for s, a, b in zip(t.shape, t.stride(), u.stride())
+    )
+
+
+def _contiguous_dims(sizes, strides) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if _same(size, 1):
+            continue
+        if not _same(stride, expected):
+            return False
+        expected = expected * size
+    return True
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """t's elements fill a block of memory, each once (a permuted contiguous tensor)."""
+    order = sorted(range(t.dim()), key=lambda d: -_hint(t.stride(d)))
+    return _contiguous_dims([t.shape[d] for d in order], [t.stride(d) for d in order])
+
+
+def _inplace_ok(t: torch.Tensor, out: torch.Tensor | None, mti_op: bool) -> bool:
+    """Writing `out` over `t` keeps the value later nodes were traced with: same shape,
+    strides, dtype, device. Our ops take contiguous float tensors; PyTorch's in-place ops
+    any dense one (an expanded tensor would write one element for many)."""
+    if out is None or t.dtype != out.dtype or t.device != out.device:
+        return False
+    if not _same_layout(t, out):
+        return False
+    if mti_op:
+        return t.dtype in _FLOAT_DTYPES and _contiguous_dims(t.shape, t.stride())
+    return _dense(t)
+
+
+def _like(p: torch.Tensor | None, t: torch.Tensor) -> bool:
+    return p is not None and p.dtype == t.dtype and p.device == t.device
+
+
+def _mask_ok(mask: torch.Tensor | None, t: torch.Tensor) -> bool:
+    """An additive mask that softmax_ can read: t's dtype and device, broadcastable to t."""
+    if not _like(mask, t) or mask.dim() > t.dim():
+        return False
+    return all(
+        _same(m, 1) or _same(m, s) for m, s in zip(reversed(mask.shape), reversed(t.shape))
+    )
+
+
+def _where(node: fx.Node) -> str:
+    """Module path and source line of a node, for the report."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path) or "(top)"
+    files = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    if files:
+        file, line = files[-1]
+        path += f" ({os.path.basename(file)}:{line})"
+    return path

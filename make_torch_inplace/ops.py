@@ -61,10 +61,12 @@ def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
 
 
 def _check_overwritable(op: str, x: torch.Tensor) -> None:
-    # Autograd would refuse this after the kernel ran, with x already overwritten.
-    if torch.is_grad_enabled() and x.is_leaf and x.requires_grad:
+    # Autograd would refuse this only after the kernel ran, with x already overwritten.
+    base = x if x._base is None else x._base
+    if torch.is_grad_enabled() and base.is_leaf and base.requires_grad:
         raise RuntimeError(
-            f"{op}: x is a leaf tensor that requires grad and cannot be overwritten in place; "
+            f"{op}: x is a leaf tensor that requires grad (or a view of one) and cannot be "
+            "overwritten in place; "
             "pass x.clone() or use the out-of-place PyTorch op"
         )
 
@@ -253,11 +255,13 @@ def rms_norm_(
     weight: torch.Tensor | None = None,
     eps: float | None = None,
 ) -> torch.Tensor:
-    """x <- F.rms_norm(x, normalized_shape, weight, eps), in place. eps=None means
-    torch.finfo(x.dtype).eps, as in F.rms_norm. Backward precision as for layer_norm_."""
+    """x <- F.rms_norm(x, normalized_shape, weight, eps), in place. eps=None means what it
+    means in F.rms_norm: the eps of the type the row is computed in (float32's for float16,
+    bfloat16 and float32 inputs, float64's for float64). Backward precision as for
+    layer_norm_."""
     shape = _normalized_shape(normalized_shape)
     if eps is None:
-        eps = torch.finfo(x.dtype).eps if x.is_floating_point() else 0.0
+        eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
     if _needs_autograd(x, weight):
         _check_overwritable("rms_norm_", x)
         return _Norm.apply(x, shape, weight, None, float(eps), True)

@@ -10,8 +10,9 @@ namespace {
 
 void check_float_dtype(const char* op, const char* name, const at::Tensor& t) {
   const auto dt = t.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op, ": ", name,
-              " must be float32, float16 or bfloat16, got ", dt);
+  // float64 is accepted for gradcheck; the CUDA backend refuses it in its dtype dispatch.
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kDouble,
+              op, ": ", name, " must be float32, float16, bfloat16 (or float64 on CPU), got ", dt);
 }
 
 void check_like_x(const char* op, const char* name, const at::Tensor& x, const at::Tensor& t) {
@@ -50,6 +51,7 @@ void check_no_overlap(const char* op, const char* name, const at::Tensor& x,
 // element would change another. Sufficient test: sorted by stride, each dim's stride must
 // step over everything the smaller dims span.
 void check_no_internal_overlap(const char* op, const at::Tensor& x) {
+  if (x.numel() == 0) return;  // nothing is written; strides of an empty tensor are arbitrary
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
   for (int64_t d = 0; d < x.dim(); ++d)
     if (x.size(d) > 1) dims.emplace_back(x.stride(d), x.size(d));
@@ -103,8 +105,10 @@ void build_row_index(const char* op, const at::Tensor& x, int64_t lead, RowIndex
 }  // namespace
 
 MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& bias) {
+                              const std::optional<at::Tensor>& bias, int64_t workspace_bytes) {
   const char* op = "square_matmul_";
+  TORCH_CHECK_VALUE(workspace_bytes >= 0, op, ": workspace_bytes must be >= 0, got ",
+                    workspace_bytes);
   check_float_dtype(op, "x", x);
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dim, got a scalar");
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == weight.size(1), op,
@@ -225,6 +229,35 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
     plan.save_rstd = true;
   }
   return plan;
+}
+
+const char* square_matmul_with_workspace(const at::Tensor& x, const MatmulPlan& plan,
+                                         bool transpose, int64_t workspace_bytes) {
+  const int64_t k = plan.k;
+  const int64_t chunk = std::min(plan.x.rows, workspace_bytes / (k * x.element_size()));
+  if (chunk < 1) return "workspace_bytes is smaller than one row";
+  at::Tensor ws;
+  try {
+    // One allocation per call, from the caching allocator, so it counts in the allocator's
+    // peak statistics like any other tensor.
+    ws = at::empty({chunk, k}, x.options());
+  } catch (const c10::OutOfMemoryError&) {
+    return "the workspace could not be allocated";
+  }
+  const at::Tensor wv = transpose ? plan.weight.t() : plan.weight;
+  for_each_matrix(plan.x, [&](int64_t offset, int64_t block_rows, int64_t ld) {
+    for (int64_t r0 = 0; r0 < block_rows; r0 += chunk) {
+      const int64_t r = std::min(chunk, block_rows - r0);
+      const at::Tensor xc = x.as_strided({r, k}, {ld, 1}, x.storage_offset() + offset + r0 * ld);
+      at::Tensor out = ws.narrow(0, 0, r);
+      if (plan.bias)
+        at::addmm_out(out, *plan.bias, xc, wv);
+      else
+        at::mm_out(out, xc, wv);
+      xc.copy_(out);
+    }
+  });
+  return nullptr;
 }
 
 void for_each_matrix(const RowLayout& layout,

@@ -36,7 +36,15 @@ struct NormPlan {
 };
 
 MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& bias);
+                              const std::optional<at::Tensor>& bias, int64_t workspace_bytes);
+
+// The default square_matmul_ path, the same on every device: chunks of rows through ATen's
+// GEMM (cuBLAS/cuBLASLt on CUDA, bias fused as addmm's epilogue) into one workspace of at most
+// workspace_bytes, each chunk copied back over its rows. Returns nullptr when done, or, having
+// written nothing, the reason it cannot run (less than one row fits, or the allocation
+// failed), so the backend can use its zero-workspace kernel instead.
+const char* square_matmul_with_workspace(const at::Tensor& x, const MatmulPlan& plan,
+                                         bool transpose, int64_t workspace_bytes);
 
 SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, double scale,
                          const std::optional<at::Tensor>& mask, bool causal, bool log);

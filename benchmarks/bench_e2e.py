@@ -1,0 +1,298 @@
+"""End to end: a whole transformer forward with and without make_torch_inplace.convert.
+
+Models (random weights from configs, no download): GPT-2, BERT and Llama from transformers
+(base models, no LM head) and a plain pre-norm attention block. Each runs with eager attention
+(the scores materialised: B x heads x T x T) and with scaled_dot_product_attention, each as is
+and converted: variants "eager", "eager+convert", "sdpa", "sdpa+convert". Inference in bf16
+under torch.inference_mode, batch 1 at seq 512 ... 8192 plus batch 4 at the short ones.
+
+Per case: median latency, peak memory above the weights and inputs (the output included),
+and the largest difference of the converted model's output from the unconverted one's.
+The goals printed at the end: eager+convert peak <= 0.5x eager at seq >= 4096 with latency
+<= 1.1x; sdpa+convert peak < sdpa with latency <= 1.05x.
+
+    python benchmarks/bench_e2e.py                 # full sweep, CUDA (a few minutes on an H100)
+    python benchmarks/bench_e2e.py --quick         # Llama, seq 512 and 1024
+    python benchmarks/bench_e2e.py --tiny --device cpu   # code-path check with tiny configs
+
+Writes benchmarks/results/e2e.json, e2e.md, e2e_peak.png, e2e_latency.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import make_torch_inplace as mti  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    best_device,
+    env_info,
+    fmt_bytes,
+    markdown_table,
+    peak_extra_bytes,
+    plot_grid,
+    results_dir,
+    time_ms,
+    write_results,
+)
+
+MODELS = ["gpt2", "bert", "llama", "block"]
+SEQS = [512, 1024, 2048, 4096, 8192]
+QUICK_SEQS = [512, 1024]
+EXTRA_BATCH = 4  # also run at batch 4 for seq <= EXTRA_BATCH_MAX_SEQ
+EXTRA_BATCH_MAX_SEQ = 1024
+VARIANTS = ["eager", "eager+convert", "sdpa", "sdpa+convert"]
+ATTNS = ["eager", "sdpa"]
+VOCAB = 32000
+
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    heads: int
+    layers: int
+    max_seq: int
+
+
+# hidden 2048 with 16 heads of 128: eager attention at seq 8192 holds 2 GiB per bf16 score
+# tensor (up to 3 at once in eager Llama), well inside 80 GB.
+FULL = Size(hidden=2048, heads=16, layers=4, max_seq=8192)
+TINY = Size(hidden=64, heads=4, layers=2, max_seq=128)
+
+
+# --------------------------------------------------------------------------- models
+
+
+class PreNormBlock(nn.Module):
+    """x + attn(norm1(x)), then x + mlp(norm2(x)); the mask is an additive causal mask."""
+
+    def __init__(self, size: Size, attn: str):
+        super().__init__()
+        d = size.hidden
+        self.heads, self.attn = size.heads, attn
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        qkv = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        if self.attn == "sdpa":
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            scores = (q @ k.transpose(-1, -2)) * (d // self.heads) ** -0.5 + mask
+            o = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+        x = x + self.proj(o.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class LastHiddenState(nn.Module):
+    """A transformers base model as a function of input_ids -> last_hidden_state."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).last_hidden_state
+
+
+def build(name: str, attn: str, size: Size, device, dtype) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "block":
+        with torch.device(device):
+            return PreNormBlock(size, attn).to(dtype).eval()
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    d, heads, layers = size.hidden, size.heads, size.layers
+    common = dict(vocab_size=VOCAB, attn_implementation=attn)
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=d, n_head=heads, n_layer=layers, n_positions=size.max_seq, **common
+        )
+        cls = transformers.GPT2Model
+    elif name == "bert":
+        config = transformers.BertConfig(
+            hidden_size=d, num_attention_heads=heads, num_hidden_layers=layers,
+            intermediate_size=4 * d, max_position_embeddings=size.max_seq, **common,
+        )
+        cls = transformers.BertModel
+    else:
+        config = transformers.LlamaConfig(
+            hidden_size=d, num_attention_heads=heads, num_key_value_heads=heads // 2,
+            num_hidden_layers=layers, intermediate_size=11 * d // 4,
+            max_position_embeddings=size.max_seq, **common,
+        )
+        cls = transformers.LlamaModel
+    with torch.device(device):
+        model = cls(config)
+    return LastHiddenState(model.to(dtype).eval())
+
+
+def make_inputs(name: str, batch: int, seq: int, size: Size, device, dtype) -> tuple:
+    g = torch.Generator().manual_seed(seq * 31 + batch)
+    if name != "block":
+        return (torch.randint(0, VOCAB, (batch, seq), generator=g).to(device),)
+    x = torch.randn(batch, seq, size.hidden, generator=g).to(device, dtype)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    mask = torch.zeros(seq, seq).masked_fill(~causal, torch.finfo(dtype).min)
+    return x, mask.to(device, dtype)[None, None]
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def measure(fn: Callable[[], torch.Tensor], device) -> tuple[torch.Tensor, float, int]:
+    out = fn()  # compiles (converted models) outside the measurements
+    peak = peak_extra_bytes(fn, device=device)
+    ms = time_ms(fn, device=device)
+    return out, ms, peak
+
+
+def run_model(name: str, seqs: list[int], size: Size, device, dtype, env) -> list[dict]:
+    records = []
+    for attn in ATTNS:
+        model = build(name, attn, size, device, dtype)
+        converted = mti.convert(model)
+        cases = [(1, s) for s in seqs]
+        cases += [(EXTRA_BATCH, s) for s in seqs if s <= EXTRA_BATCH_MAX_SEQ]
+        for batch, seq in cases:
+            inputs = make_inputs(name, batch, seq, size, device, dtype)
+            base = None
+            for variant, module in ((attn, model), (f"{attn}+convert", converted)):
+
+                def fn(module=module, inputs=inputs):
+                    with torch.inference_mode():
+                        return module(*inputs)
+
+                out, ms, peak = measure(fn, device)
+                diff = 0.0 if base is None else (out.float() - base.float()).abs().max().item()
+                base = out if base is None else base
+                rec = dict(
+                    bench="e2e", model=name, variant=variant, seq=seq, batch=batch,
+                    dtype=str(dtype).removeprefix("torch."), ms=ms, peak_bytes=peak,
+                    max_abs_diff=diff, **env,
+                )
+                records.append(rec)
+                print(
+                    f"{name:6s} {variant:14s} b={batch} T={seq:<5d} {ms:9.3f} ms  "
+                    f"peak {fmt_bytes(peak):>10s}  max|diff| {diff:.3g}",
+                    flush=True,
+                )
+                del out
+            del base, inputs
+        del model, converted
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return records
+
+
+# --------------------------------------------------------------------------- report
+
+
+def with_ratios(records: list[dict]) -> list[dict]:
+    """Each converted record with its latency and peak relative to the unconverted one."""
+    base = {(r["model"], r["variant"], r["seq"], r["batch"]): r for r in records}
+    rows = []
+    for r in records:
+        row = dict(r, peak=fmt_bytes(r["peak_bytes"]))
+        if r["variant"].endswith("+convert"):
+            b = base[(r["model"], r["variant"].removesuffix("+convert"), r["seq"], r["batch"])]
+            row["ms_ratio"] = r["ms"] / b["ms"]
+            row["peak_ratio"] = r["peak_bytes"] / b["peak_bytes"] if b["peak_bytes"] else None
+        rows.append(row)
+    return rows
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """The issue's targets, checked on batch-1 rows: one line per model and attention."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for variant, min_seq, max_peak, max_ms, strict in (
+            ("eager+convert", 4096, 0.5, 1.1, False),
+            ("sdpa+convert", 0, 1.0, 1.05, True),
+        ):
+            sel = [
+                r for r in rows
+                if r["model"] == model and r["variant"] == variant and r["batch"] == 1
+                and r["seq"] >= min_seq
+            ]
+            if not sel:
+                continue
+            worst_peak = max(r["peak_ratio"] for r in sel)
+            worst_ms = max(r["ms_ratio"] for r in sel)
+            peak_ok = worst_peak < max_peak if strict else worst_peak <= max_peak
+            ok = "PASS" if peak_ok and worst_ms <= max_ms else "FAIL"
+            lines.append(
+                f"{ok} {model} {variant} (seq >= {min_seq}): peak ratio <= {worst_peak:.3f} "
+                f"(goal {'<' if strict else '<='} {max_peak}), latency ratio <= {worst_ms:.3f} "
+                f"(goal <= {max_ms})"
+            )
+    return lines
+
+
+def report(records: list[dict]) -> None:
+    rows = with_ratios(records)
+    columns = ["model", "variant", "batch", "seq", "ms", "ms_ratio", "peak", "peak_ratio",
+               "max_abs_diff"]
+    table = markdown_table(rows, columns)
+    goal_lines = goals(rows)
+    md = table + "\nGoals (batch 1):\n\n" + "".join(f"- {g}\n" for g in goal_lines)
+    print("\n" + md)
+    json_path, md_path = write_results("e2e", records, md)
+    out = results_dir()
+    for key, ylabel, png in (("peak_bytes", "peak MiB", "e2e_peak.png"),
+                             ("ms", "ms", "e2e_latency.png")):
+        panels = []
+        for model in dict.fromkeys(r["model"] for r in records):
+            series = {
+                v: [(r["seq"], r[key] / (2**20 if key == "peak_bytes" else 1))
+                    for r in records if r["model"] == model and r["variant"] == v
+                    and r["batch"] == 1]
+                for v in VARIANTS
+            }
+            panels.append((f"{model} (batch 1)", series))
+        plot_grid(out / png, panels, "sequence length", ylabel, ncols=len(panels))
+    print(f"wrote {json_path}, {md_path}, {out / 'e2e_peak.png'}, {out / 'e2e_latency.png'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="Llama only, seq 512 and 1024")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny configs and seq 32/64/128: a code-path check (e.g. on CPU)")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=None)
+    parser.add_argument("--seqs", nargs="+", type=int, default=None)
+    parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    args = parser.parse_args()
+
+    device = torch.device(args.device) if args.device else best_device()
+    size = TINY if args.tiny else FULL
+    models = args.models or (["llama"] if args.quick else MODELS)
+    seqs = args.seqs or ([32, 64, 128] if args.tiny else QUICK_SEQS if args.quick else SEQS)
+    if max(seqs) > size.max_seq:
+        parser.error(f"seq {max(seqs)} exceeds the configs' max_seq {size.max_seq}")
+    dtype = torch.bfloat16
+    env = env_info()
+    print(f"{env['device']}, torch {env['torch']}, commit {env['commit']}")
+    records = []
+    for name in models:
+        records += run_model(name, seqs, size, device, dtype, env)
+    report(records)
+
+
+if __name__ == "__main__":
+    main()

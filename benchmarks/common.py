@@ -1,0 +1,320 @@
+"""Shared helpers of the benchmark scripts: environment, timing, peak memory, results, plots.
+
+Every benchmark records the same environment fields (env_info), times with the same median
+(time_ms), measures memory the same way (peak_extra_bytes) and writes its results to
+benchmarks/results/<name>.json and .md (or to $MTI_RESULTS_DIR, which scripts/gpu_check.sh sets).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# do_bench's defaults (25 ms of warm-up, 100 ms of timed calls) also suit the CPU.
+DEFAULT_WARMUP_MS = 25.0
+DEFAULT_REP_MS = 100.0
+
+# Bigger than the L2 cache of any GPU we target (H100: 50 MB), so that writing it between
+# timed calls leaves no operand of the previous call in L2.
+_L2_FLUSH_BYTES = 256 << 20
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def env_info() -> dict:
+    """device, torch version and the repository's commit, stored with every record."""
+    return {"device": _device_name(), "torch": torch.__version__, "commit": _git_commit()}
+
+
+def _device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"CPU: {model} ({torch.get_num_threads()} threads)"
+
+
+def _git_commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(REPO_ROOT), *args],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        # Any change to the code marks the tree dirty, new files included, but not the results
+        # that the benchmarks write (build outputs are in .gitignore and never show).
+        dirty = git(
+            "status", "--porcelain", "--untracked-files=all", "--", ".",
+            ":(exclude)benchmarks/results",
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def best_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def time_ms(
+    fn: Callable[[], object],
+    *,
+    warmup_ms: float = DEFAULT_WARMUP_MS,
+    rep_ms: float = DEFAULT_REP_MS,
+    device: torch.device | str | None = None,
+) -> float:
+    """Median milliseconds of one call of fn.
+
+    CUDA: triton.testing.do_bench when Triton imports, else CUDA events around each call with
+    the L2 cache flushed in between (what do_bench does). CPU: perf_counter. device defaults
+    to CUDA when a GPU is present.
+    """
+    device = torch.device(device) if device is not None else best_device()
+    if device.type == "cuda":
+        try:
+            import triton.testing
+        except ImportError:
+            return _cuda_events_ms(fn, warmup_ms, rep_ms)
+        return float(
+            triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        )
+    return _perf_counter_ms(fn, warmup_ms, rep_ms)
+
+
+def _repeats(estimate_ms: float, budget_ms: float) -> int:
+    return max(1, min(10_000, int(budget_ms / max(estimate_ms, 1e-6))))
+
+
+def _cuda_events_ms(fn, warmup_ms: float, rep_ms: float) -> float:
+    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = start.elapsed_time(end) / 5
+    for _ in range(_repeats(estimate, warmup_ms)):
+        fn()
+    n = _repeats(estimate, rep_ms)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends):
+        flush.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _perf_counter_ms(fn, warmup_ms: float, rep_ms: float) -> float:
+    fn()  # the first call may compile or allocate: no estimate from it
+    t0 = time.perf_counter()
+    fn()
+    estimate = (time.perf_counter() - t0) * 1e3
+    for _ in range(_repeats(estimate, warmup_ms) - 1):
+        fn()
+    times = []
+    for _ in range(max(3, _repeats(estimate, rep_ms))):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def peak_extra_bytes(fn: Callable[[], object], *, device: torch.device | str | None = None) -> int:
+    """Peak bytes allocated while fn runs, above what was allocated when it started.
+
+    CUDA: the caching allocator's max_memory_allocated after reset_peak_memory_stats. CPU: the
+    allocations and frees that torch.profiler records during fn, summed in time order; the
+    peak of that running sum. What fn returns is kept alive until the measurement ends.
+    """
+    device = torch.device(device) if device is not None else best_device()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del result
+        return int(peak)
+    return _cpu_peak_extra_bytes(fn)
+
+
+def _cpu_peak_extra_bytes(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    # Kineto prints a line to stderr at every profiler start and stop; level 6 silences it.
+    # It is read when the profiler starts, so setting it here is early enough.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    del result
+    # "[memory]" events carry the bytes of each allocation (> 0) and free (< 0) that the CPU
+    # allocator reported while profiling; the public FunctionEvent API only has per-op sums,
+    # which lose the order needed for a peak.
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return int(peak)
+
+
+def fmt_bytes(nbytes: float) -> str:
+    """Human-readable size in binary units, e.g. '64.0 MiB'."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- results
+
+
+def results_dir() -> Path:
+    """benchmarks/results, or $MTI_RESULTS_DIR when set; created on first use."""
+    path = Path(os.environ.get("MTI_RESULTS_DIR", REPO_ROOT / "benchmarks" / "results"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_results(name: str, records: list[dict], table_md: str) -> tuple[Path, Path]:
+    """Writes <results>/<name>.json (the records) and <results>/<name>.md (the tables)."""
+    out = results_dir()
+    json_path, md_path = out / f"{name}.json", out / f"{name}.md"
+    json_path.write_text(json.dumps(records, indent=1) + "\n")
+    env = env_info()
+    header = f"# {name}\n\n{env['device']}, torch {env['torch']}, commit {env['commit']}\n\n"
+    md_path.write_text(header + table_md.rstrip() + "\n")
+    return json_path, md_path
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    """A GitHub markdown table of the given columns; missing values print as '-'."""
+    lines = [
+        "| " + " | ".join(columns) + " |",
+        "| " + " | ".join("---" for _ in columns) + " |",
+    ]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- plots
+
+
+Series = dict[str, Sequence[tuple[float, float]]]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _draw(ax, series: Series, xlabel: str, ylabel: str, title: str, logx: bool) -> None:
+    for label, points in series.items():
+        points = sorted(points)
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_lines(
+    path: str | os.PathLike,
+    series: Series,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = True,
+) -> None:
+    """One line per series (label -> [(x, y), ...]) in one PNG."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    _draw(ax, series, xlabel, ylabel, title, logx)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_grid(
+    path: str | os.PathLike,
+    panels: Iterable[tuple[str, Series]],
+    xlabel: str,
+    ylabel: str,
+    ncols: int,
+    logx: bool = True,
+) -> None:
+    """Several plot_lines panels, (title, series) each, in a grid of ncols columns."""
+    panels = list(panels)
+    if not panels:
+        return
+    plt = _pyplot()
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(4.5 * ncols, 3.4 * nrows), squeeze=False
+    )
+    flat = [ax for row in axes for ax in row]
+    for ax, (title, series) in zip(flat, panels):
+        _draw(ax, series, xlabel, ylabel, title, logx)
+    for ax in flat[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,27 @@
+// The entry points every backend implements, one per schema in registration.cpp. Each
+// backend declares them in its own namespace (mti::cpu, mti::cuda) with
+// MTI_DECLARE_BACKEND_OPS, so the signatures are written once.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#define MTI_DECLARE_BACKEND_OPS                                                               \
+  void square_matmul_(const at::Tensor& x, const at::Tensor& weight,                          \
+                      const std::optional<at::Tensor>& bias, bool transpose,                  \
+                      int64_t workspace_bytes);                                               \
+  void softmax_(const at::Tensor& x, int64_t dim, double scale,                               \
+                const std::optional<at::Tensor>& mask, bool causal, bool log);                \
+  void layer_norm_(const at::Tensor& x, at::IntArrayRef normalized_shape,                     \
+                   const std::optional<at::Tensor>& weight,                                   \
+                   const std::optional<at::Tensor>& bias, double eps, const at::Tensor& rstd); \
+  void rms_norm_(const at::Tensor& x, at::IntArrayRef normalized_shape,                       \
+                 const std::optional<at::Tensor>& weight, double eps, const at::Tensor& rstd);
+
+// Registers a backend's entry points for one dispatch key.
+#define MTI_REGISTER_BACKEND_OPS(m, ns)         \
+  m.impl("square_matmul_", &ns::square_matmul_); \
+  m.impl("softmax_", &ns::softmax_);             \
+  m.impl("layer_norm_", &ns::layer_norm_);       \
+  m.impl("rms_norm_", &ns::rms_norm_);

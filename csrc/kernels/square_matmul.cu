@@ -1,0 +1,753 @@
+// Zero-workspace square matmul: x <- x @ W (or x @ W^T) + bias, written over x.
+//
+// A thread block owns BM whole rows of x. It copies them (all K columns) into shared memory,
+// and only then starts writing: every output element of its rows is computed from the staged
+// copy, so the results can go straight over x in global memory. Blocks own disjoint rows, so
+// no block reads what another writes. When there are too few row blocks to fill the GPU,
+// several blocks share a row block, each computing a slice of the output columns; they are
+// launched cooperatively and wait for each other (grid sync) between staging and writing.
+//
+// The rows' output is produced column tile by column tile: a BN-column tile accumulates over
+// K in kBK steps, each step a (kBK x BN) tile of W staged in shared memory.
+//  - fp16/bf16 (sm_80+, fp16 also sm_75): tensor cores, mma.sync m16n8k16 with fp32
+//    accumulators, W tiles fed by a kStages-deep cp.async pipeline. The MMA computes the
+//    transposed product out^T = Wv^T x^T: W supplies the 16-row A operand and x the 8-wide B
+//    operand, so a block may own any multiple of 8 rows. Every block streams all of W from
+//    L2, so the rows per block (as many as shared memory holds) set the arithmetic per byte
+//    of W, which bounds the speed at large K.
+//  - float (and fp16/bf16 where the tensor-core path is missing): fp32 FMA tiles.
+#include "kernels/square_matmul.h"
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+
+#include "kernels/common.cuh"
+
+namespace mti {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kBK = 32;      // k extent of one W tile
+constexpr int kStages = 4;   // W tiles in flight in the tensor-core kernel
+constexpr int kMmaXPad = 8;  // staged x row pitch = kpad + pad (see MmaTile, FmaTile)
+constexpr int kFmaXPad = 0;
+
+__host__ __device__ constexpr int round_up(int a, int b) { return (a + b - 1) / b * b; }
+
+template <typename T>
+struct Args {
+  T* x;
+  RowIndexer row;
+  int64_t rows;
+  int64_t first_block;      // row block of blockIdx.x == 0 (grids are split at 2^31 - 1 blocks)
+  int k;
+  int kpad;                 // K rounded up to kBK: the staged rows are zero beyond K
+  int ldx;                  // pitch of the staged rows in shared memory, in elements
+  const T* w;
+  const T* bias;            // nullptr: no bias
+  int col_tiles_per_block;  // gridDim.y splits the column tiles into slices of this many
+  bool x_vec;               // x rows start 16-byte aligned and K fills whole 16-byte chunks
+  bool w_vec;               // W likewise
+  bool grid_sync;           // blocks share row blocks: all stage before any writes
+};
+
+template <typename T>
+__device__ __forceinline__ T zero() {
+  return from_float<T>(0.f);
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared by both kernels: stage the block's rows and place the block in the grid.
+
+// Row offsets go to row_off[0, BM); rows [0, BM) x columns [0, kpad) to xs (pitch ldx),
+// zero past the last row and past K. Plain loads: it runs once per block, and the loads
+// have all returned (into shared memory) when this returns, which the grid sync relies on.
+template <typename T, int BM, int THREADS>
+__device__ __forceinline__ void stage_rows(const Args<T>& a, int64_t row0, int nrows,
+                                           int64_t* row_off, T* xs) {
+  for (int i = threadIdx.x; i < BM; i += THREADS)
+    row_off[i] = i < nrows ? a.row.offset(row0 + i) : 0;
+  __syncthreads();
+  if (a.x_vec) {
+    constexpr int V = 16 / sizeof(T);
+    const int chunks = a.kpad / V;  // per row
+    for (int c = threadIdx.x; c < BM * chunks; c += THREADS) {
+      const int r = c / chunks, col = (c - r * chunks) * V;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < nrows && col < a.k) v = *reinterpret_cast<const uint4*>(a.x + row_off[r] + col);
+      *reinterpret_cast<uint4*>(xs + r * a.ldx + col) = v;
+    }
+  } else {
+    for (int e = threadIdx.x; e < BM * a.kpad; e += THREADS) {
+      const int r = e / a.kpad, col = e - r * a.kpad;
+      xs[r * a.ldx + col] = r < nrows && col < a.k ? a.x[row_off[r] + col] : zero<T>();
+    }
+  }
+}
+
+// The block's rows and column tiles: rows [row0, row0 + nrows), column tiles
+// [ct_begin, ct_end) of BN columns each, walked as (ct_end - ct_begin) * k_tiles W tiles.
+struct BlockWork {
+  int64_t row0;
+  int nrows;
+  int ct_begin, ct_end;
+  int k_tiles;
+  int tiles;
+};
+
+template <typename T, int BM, int BN>
+__device__ __forceinline__ BlockWork block_work(const Args<T>& a) {
+  BlockWork b;
+  b.row0 = (a.first_block + blockIdx.x) * BM;
+  b.nrows = static_cast<int>(min(static_cast<int64_t>(BM), a.rows - b.row0));
+  const int col_tiles = (a.k + BN - 1) / BN;
+  b.ct_begin = blockIdx.y * a.col_tiles_per_block;
+  b.ct_end = min(col_tiles, b.ct_begin + a.col_tiles_per_block);
+  b.k_tiles = a.kpad / kBK;
+  b.tiles = (b.ct_end - b.ct_begin) * b.k_tiles;
+  return b;
+}
+
+// Writes out[n][j] = v + bias[j] over x when the element exists.
+template <typename T>
+__device__ __forceinline__ void store_out(const Args<T>& a, const int64_t* row_off, int nrows,
+                                          int n, int j, float v) {
+  if (n < nrows && j < a.k)
+    a.x[row_off[n] + j] = from_float<T>(a.bias ? v + to_float(__ldg(a.bias + j)) : v);
+}
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core kernel (fp16/bf16).
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; zeros instead when !in (src must still be a valid address).
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool in) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(in ? 16 : 0));
+#else
+  *reinterpret_cast<uint4*>(dst) =
+      in ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_u32(p)));
+}
+
+// d += a (16x16, row-major fragment) * b (16x8, column-major fragment), fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[2]) {
+#if __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __half>)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  // sm_75 has no k16 shape: two k8 steps, a[0..1]/b[0] covering k 0-7 and a[2..3]/b[1] 8-15.
+  static_assert(std::is_same_v<T, __half>, "bf16 tensor cores need sm_80");
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b[0]));
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[2]), "r"(a[3]), "r"(b[1]));
+#endif
+}
+
+// BM rows per block and BN = 128 output columns per tile; warps in a WARPS_R x 4 grid, each
+// computing 32 columns (two m16 tiles) for BM / WARPS_R rows (NT n8 tiles).
+template <int BM_, int WARPS_R_>
+struct MmaTile {
+  static constexpr int BM = BM_;
+  static constexpr int WARPS_R = WARPS_R_;
+  static constexpr int WARPS_C = 4;
+  static constexpr int THREADS = 32 * WARPS_R * WARPS_C;
+  static constexpr int BN = 32 * WARPS_C;
+  static constexpr int NT = BM / WARPS_R / 8;
+  // Staged x rows: a pitch of kpad + 8 elements, an odd multiple of 16 bytes modulo 128, puts
+  // the eight 16-byte rows that one ldmatrix reads in distinct banks.
+  static constexpr int kXPad = kMmaXPad;
+  static constexpr int kWBuffers = kStages;
+  // Streaming one W tile from L2 costs about what kWCost rows of tensor-core MMAs on it do
+  // (an SM takes ~32 bytes per clock from L2 and does ~1024 flops per clock in mma.sync).
+  static constexpr int kWCost = 32;
+  // W tile, unpadded and swizzled (see w_index): [BN][kBK] when transposed (a row of W^T is
+  // a row of W), else [kBK][BN].
+  __host__ __device__ static constexpr int w_tile_elems(bool) { return BN * kBK; }
+  static_assert(NT >= 1 && BM % (8 * WARPS_R) == 0, "whole n8 tiles per warp");
+};
+
+// Element offset of (row, col) in a W tile of `cols` columns (32 or 128; row-major): the
+// 16-byte chunk index is XORed with bits of the row so that the 8 rows one ldmatrix reads at
+// one chunk fall in 8 distinct bank groups. 64-byte rows (transposed tiles) pair up in 128
+// bytes, so they XOR with (row / 2) % 4; 256-byte rows with row % 8.
+template <bool TRANS>
+__device__ __forceinline__ int w_index(int row, int col) {
+  constexpr int COLS = TRANS ? kBK : 128;
+  const int swz = TRANS ? (row >> 1) & 3 : row & 7;
+  return row * COLS + (((col >> 3) ^ swz) << 3) + (col & 7);
+}
+
+// Fills one W tile buffer: W^T rows [j0, j0 + BN) x k [k0, k0 + kBK), zero outside W.
+// Shared memory rows follow W's rows (contiguous in both): tile row r is W row g0 + r from
+// column c0, where (g0, c0) = (j0, k0) when transposed, else (k0, j0).
+template <typename T, bool TRANS, class Tile>
+__device__ __forceinline__ void load_w_tile(const Args<T>& a, T* dst, int j0, int k0) {
+  constexpr int ROWS = TRANS ? Tile::BN : kBK;
+  constexpr int COLS = TRANS ? kBK : Tile::BN;
+  constexpr int V = 16 / sizeof(T);
+  constexpr int CHUNKS = ROWS * COLS / V;
+  static_assert(CHUNKS % Tile::THREADS == 0, "whole 16-byte chunks per thread");
+  static_assert(Tile::BN == 128, "w_index's layout");
+  const int g0 = TRANS ? j0 : k0, c0 = TRANS ? k0 : j0;
+  if (a.w_vec) {
+#pragma unroll
+    for (int i = 0; i < CHUNKS / Tile::THREADS; ++i) {
+      const int c = threadIdx.x + i * Tile::THREADS;
+      const int r = c / (COLS / V), col = c % (COLS / V) * V;
+      // K is a multiple of V here, so a chunk lies wholly inside or outside W.
+      const bool in = g0 + r < a.k && c0 + col < a.k;
+      copy16(dst + w_index<TRANS>(r, col),
+             in ? a.w + static_cast<int64_t>(g0 + r) * a.k + c0 + col : a.w, in);
+    }
+  } else {
+    for (int e = threadIdx.x; e < ROWS * COLS; e += Tile::THREADS) {
+      const int r = e / COLS, col = e % COLS;
+      dst[w_index<TRANS>(r, col)] =
+          g0 + r < a.k && c0 + col < a.k
+              ? __ldg(a.w + static_cast<int64_t>(g0 + r) * a.k + c0 + col)
+              : zero<T>();
+    }
+  }
+}
+
+template <typename T, bool TRANS, class Tile>
+__device__ __forceinline__ void mma_body(const Args<T>& a) {
+  constexpr int BM = Tile::BM, BN = Tile::BN, NT = Tile::NT;
+  constexpr int W_TILE = Tile::w_tile_elems(TRANS);
+  constexpr int WROWS = BM / Tile::WARPS_R;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  int64_t* row_off = reinterpret_cast<int64_t*>(smem);
+  T* xs = reinterpret_cast<T*>(smem + BM * sizeof(int64_t));
+  T* ws = xs + BM * a.ldx;
+
+  const BlockWork b = block_work<T, BM, BN>(a);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warp_r = warp / Tile::WARPS_C, warp_c = warp % Tile::WARPS_C;
+
+  auto load_w = [&](int t) {
+    const int ct = b.ct_begin + t / b.k_tiles, kt = t % b.k_tiles;
+    load_w_tile<T, TRANS, Tile>(a, ws + (t % kStages) * W_TILE, ct * BN, kt * kBK);
+  };
+
+  stage_rows<T, BM, Tile::THREADS>(a, b.row0, b.nrows, row_off, xs);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < b.tiles) load_w(s);
+    cp_async_commit();
+  }
+  __syncthreads();
+  if (a.grid_sync) cg::this_grid().sync();
+
+  // ldmatrix roles: lane supplies the address of row (lane & 7) of 8x8 matrix (lane >> 3).
+  const int mi = lane >> 3, mr = lane & 7;
+  const T* xw = xs + (warp_r * WROWS + mr) * a.ldx + (mi & 1) * 8;  // this lane's B rows
+  float acc[2][NT][4] = {};
+  for (int t = 0; t < b.tiles; ++t) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile t landed for every thread; buffer (t - 1) % kStages is free
+    if (t + kStages - 1 < b.tiles) load_w(t + kStages - 1);
+    cp_async_commit();
+
+    const T* wt = ws + (t % kStages) * W_TILE;
+    const int kt = t % b.k_tiles;
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      // A = Wv^T: rows j (output columns), 16 x 16 per m16 tile. Matrices in fragment order:
+      // (j 0-7, k 0-7), (j 8-15, k 0-7), (j 0-7, k 8-15), (j 8-15, k 8-15).
+      uint32_t af[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const int j = warp_c * 32 + mt * 16 + (mi & 1) * 8;
+        const int k = kk + (mi >> 1) * 8;
+        if constexpr (TRANS)
+          ldsm_x4<false>(af[mt], wt + w_index<true>(j + mr, k));  // stored [j][k]
+        else
+          ldsm_x4<true>(af[mt], wt + w_index<false>(k + mr, j));  // stored [k][j]: transpose
+      }
+      // B = x^T: columns are x rows, stored [n][k]; per n8 tile (k 0-7), (k 8-15). Matrices
+      // of an x4: (tile nt, k lo), (nt, k hi), (nt + 1, k lo), (nt + 1, k hi).
+      uint32_t bf[NT][2];
+      const T* xk = xw + kt * kBK + kk;
+#pragma unroll
+      for (int nt = 0; nt + 1 < NT; nt += 2) {
+        uint32_t r[4];
+        ldsm_x4<false>(r, xk + (nt + (mi >> 1)) * 8 * a.ldx);
+        bf[nt][0] = r[0];
+        bf[nt][1] = r[1];
+        bf[nt + 1][0] = r[2];
+        bf[nt + 1][1] = r[3];
+      }
+      if constexpr (NT % 2 == 1) {
+        uint32_t r[2];
+        ldsm_x2(r, xk + (NT - 1) * 8 * a.ldx);
+        bf[NT - 1][0] = r[0];
+        bf[NT - 1][1] = r[1];
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_16816<T>(acc[mt][nt], af[mt], bf[nt]);
+    }
+
+    if (kt == b.k_tiles - 1) {
+      // Accumulator (mt, nt): c[0..1] at (j = g, n = 2q, 2q + 1), c[2..3] at j = g + 8.
+      const int ct = b.ct_begin + t / b.k_tiles;
+      const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int j = ct * BN + warp_c * 32 + mt * 16 + g;
+          const int n = warp_r * WROWS + nt * 8 + 2 * q;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            store_out(a, row_off, b.nrows, n, j + 8 * h, acc[mt][nt][2 * h]);
+            store_out(a, row_off, b.nrows, n + 1, j + 8 * h, acc[mt][nt][2 * h + 1]);
+            acc[mt][nt][2 * h] = acc[mt][nt][2 * h + 1] = 0.f;
+          }
+        }
+    }
+  }
+}
+
+template <typename T, bool TRANS, class Tile>
+__global__ void __launch_bounds__(Tile::THREADS)
+    mma_kernel(const __grid_constant__ Args<T> a) {
+#if defined(__CUDA_ARCH__)
+  // The launcher never picks this kernel where it is compiled empty.
+  constexpr bool kSupported = std::is_same_v<T, __nv_bfloat16> ? __CUDA_ARCH__ >= 800
+                                                                : __CUDA_ARCH__ >= 750;
+#else
+  constexpr bool kSupported = true;
+#endif
+  if constexpr (kSupported)
+    mma_body<T, TRANS, Tile>(a);
+  else
+    __trap();
+}
+
+// ---------------------------------------------------------------------------------------
+// FMA kernel (float; fp16/bf16 without tensor cores). 8 warps; warp w owns rows w + 8 i
+// (i < RM) and lane l the columns l + 32 q (q < 4) of a BN = 128 column tile. W tiles are
+// double-buffered in shared memory, the next one prefetched into registers meanwhile.
+
+template <int BM_>
+struct FmaTile {
+  static constexpr int BM = BM_;
+  static constexpr int THREADS = 256;
+  static constexpr int BN = 128;
+  static constexpr int RM = BM / 8;
+  // Staged rows are read by broadcast (a warp reads one row), so need no pad.
+  static constexpr int kXPad = kFmaXPad;
+  static constexpr int kWBuffers = 2;
+  // As MmaTile::kWCost: ~32 bytes per clock from L2 against ~256 flops per clock of FFMA,
+  // with 4-byte W elements.
+  static constexpr int kWCost = 16;
+  // W tile: [BN][kBK + 1] when transposed (lanes read 32 rows j at one k: the odd pitch
+  // spreads them over all banks), else [kBK][BN] (lanes read consecutive j).
+  __host__ __device__ static constexpr int w_ld(bool trans) { return trans ? kBK + 1 : BN; }
+  __host__ __device__ static constexpr int w_tile_elems(bool trans) {
+    return (trans ? BN : kBK) * w_ld(trans);
+  }
+  static_assert(RM >= 1 && BM % 8 == 0, "8 warps own the rows");
+};
+
+template <typename T, bool TRANS, class Tile>
+__device__ __forceinline__ void fma_body(const Args<T>& a) {
+  constexpr int BM = Tile::BM, BN = Tile::BN, RM = Tile::RM, THREADS = Tile::THREADS;
+  constexpr int W_LD = Tile::w_ld(TRANS);
+  constexpr int W_TILE = Tile::w_tile_elems(TRANS);
+  constexpr int COLS = TRANS ? kBK : BN;  // tile columns contiguous in W
+  constexpr int PER_THREAD = kBK * BN / THREADS;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  int64_t* row_off = reinterpret_cast<int64_t*>(smem);
+  T* xs = reinterpret_cast<T*>(smem + BM * sizeof(int64_t));
+  T* ws = xs + BM * a.ldx;
+
+  const BlockWork b = block_work<T, BM, BN>(a);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  // Element e of a tile is tile row e / COLS, column e % COLS: W row g0 + row from column
+  // c0 + column, (g0, c0) as in load_w_tile. Consecutive threads read consecutive columns.
+  T pre[PER_THREAD];
+  auto fetch = [&](int t) {
+    const int j0 = (b.ct_begin + t / b.k_tiles) * BN, k0 = t % b.k_tiles * kBK;
+    const int g0 = TRANS ? j0 : k0, c0 = TRANS ? k0 : j0;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int e = threadIdx.x + i * THREADS, r = e / COLS, col = e % COLS;
+      pre[i] = g0 + r < a.k && c0 + col < a.k
+                   ? __ldg(a.w + static_cast<int64_t>(g0 + r) * a.k + c0 + col)
+                   : zero<T>();
+    }
+  };
+  auto store = [&](int t) {
+    T* dst = ws + (t & 1) * W_TILE;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int e = threadIdx.x + i * THREADS;
+      dst[e / COLS * W_LD + e % COLS] = pre[i];
+    }
+  };
+
+  stage_rows<T, BM, THREADS>(a, b.row0, b.nrows, row_off, xs);
+  if (b.tiles > 0) {
+    fetch(0);
+    store(0);
+  }
+  __syncthreads();
+  if (a.grid_sync) cg::this_grid().sync();
+
+  float acc[RM][4] = {};
+  for (int t = 0; t < b.tiles; ++t) {
+    if (t + 1 < b.tiles) fetch(t + 1);
+    const T* wt = ws + (t & 1) * W_TILE;
+    const T* xt = xs + warp * a.ldx + t % b.k_tiles * kBK;
+#pragma unroll 4
+    for (int kk = 0; kk < kBK; ++kk) {
+      float xv[RM], wv[4];
+#pragma unroll
+      for (int i = 0; i < RM; ++i) xv[i] = to_float(xt[i * 8 * a.ldx + kk]);
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        wv[c] = to_float(TRANS ? wt[(lane + 32 * c) * W_LD + kk] : wt[kk * W_LD + lane + 32 * c]);
+#pragma unroll
+      for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(xv[i], wv[c], acc[i][c]);
+    }
+    if (t + 1 < b.tiles) store(t + 1);  // the other buffer: its readers passed the last barrier
+    __syncthreads();
+
+    if (t % b.k_tiles == b.k_tiles - 1) {
+      const int j = (b.ct_begin + t / b.k_tiles) * BN + lane;
+#pragma unroll
+      for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          store_out(a, row_off, b.nrows, warp + 8 * i, j + 32 * c, acc[i][c]);
+          acc[i][c] = 0.f;
+        }
+    }
+  }
+}
+
+template <typename T, bool TRANS, class Tile>
+__global__ void __launch_bounds__(Tile::THREADS)
+    fma_kernel(const __grid_constant__ Args<T> a) {
+  fma_body<T, TRANS, Tile>(a);
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side: pick the kernel family and tile, split the work, launch.
+
+template <class... Tiles>
+struct TileList {};
+// Largest rows per block first. The more rows a block owns, the more output each W tile read
+// from L2 feeds, and the rows of all K columns must fit in shared memory: on an H100 (227 KB)
+// that is 96 rows at K = 1024, 48 at 2048, 24 at 4096, 8 at 8192 for 16-bit types.
+using MmaTiles = TileList<MmaTile<128, 2>, MmaTile<96, 2>, MmaTile<64, 2>, MmaTile<48, 1>,
+                          MmaTile<32, 1>, MmaTile<24, 1>, MmaTile<16, 1>, MmaTile<8, 1>>;
+using FmaTiles = TileList<FmaTile<64>, FmaTile<32>, FmaTile<16>, FmaTile<8>>;
+
+template <typename T, bool TRANS, int BM, int WR>
+auto kernel_of(MmaTile<BM, WR>) {
+  return &mma_kernel<T, TRANS, MmaTile<BM, WR>>;
+}
+template <typename T, bool TRANS, int BM>
+auto kernel_of(FmaTile<BM>) {
+  return &fma_kernel<T, TRANS, FmaTile<BM>>;
+}
+
+struct DeviceInfo {
+  int cc;             // compute capability, 10 * major + minor
+  int smem_optin;     // shared memory one block may opt in to, bytes
+  int smem_per_sm;    // shared memory of a multiprocessor, bytes
+  int smem_reserved;  // shared memory the system reserves per block, bytes
+  int threads_per_sm;
+  int num_sms;
+  bool coop;          // cooperative launches supported
+};
+
+cudaError_t device_info(DeviceInfo* d) {
+  int dev = 0, major = 0, minor = 0, coop = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  const std::pair<int*, cudaDeviceAttr> attrs[] = {
+      {&major, cudaDevAttrComputeCapabilityMajor},
+      {&minor, cudaDevAttrComputeCapabilityMinor},
+      {&d->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin},
+      {&d->smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor},
+      {&d->smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock},
+      {&d->threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor},
+      {&d->num_sms, cudaDevAttrMultiProcessorCount},
+      {&coop, cudaDevAttrCooperativeLaunch},
+  };
+  for (const auto& [value, attr] : attrs)
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(value, attr, dev);
+  d->cc = 10 * major + minor;
+  d->coop = coop != 0;
+  return err;
+}
+
+template <typename T>
+bool use_tensor_cores(const DeviceInfo& d) {
+  return sizeof(T) == 2 && (d.cc >= 80 || (d.cc >= 75 && std::is_same_v<T, __half>));
+}
+
+template <class Tile>
+size_t smem_bytes(int kpad, bool trans, size_t elem) {
+  return Tile::BM * sizeof(int64_t) +
+         static_cast<size_t>(Tile::BM) * (kpad + Tile::kXPad) * elem +
+         static_cast<size_t>(Tile::kWBuffers) * Tile::w_tile_elems(trans) * elem;
+}
+
+// Largest K (a multiple of kBK) whose tile of Tile fits, for either transpose.
+template <class Tile>
+int64_t tile_max_k(size_t elem, int smem_optin) {
+  const size_t w = static_cast<size_t>(Tile::kWBuffers) *
+                   std::max(Tile::w_tile_elems(true), Tile::w_tile_elems(false)) * elem;
+  const size_t fixed = Tile::BM * sizeof(int64_t) + w;
+  if (static_cast<size_t>(smem_optin) <= fixed) return 0;
+  const int64_t pitch = static_cast<int64_t>((smem_optin - fixed) / (Tile::BM * elem));
+  return std::max<int64_t>(0, (pitch - Tile::kXPad) / kBK * kBK);
+}
+
+template <class... Tiles>
+int64_t family_max_k(TileList<Tiles...>, size_t elem, int smem_optin) {
+  return std::max({tile_max_k<Tiles>(elem, smem_optin)...});
+}
+
+// How the work is divided: row_blocks blocks of BM rows along gridDim.x, and the column tiles
+// in slices of per_block along gridDim.y (slices > 1 needs the cooperative launch).
+struct Split {
+  int64_t row_blocks;
+  int per_block;
+  int slices;
+};
+
+// Too few row blocks to occupy the GPU: slice the columns among blocks that share rows.
+bool may_slice(int64_t row_blocks, int col_tiles, const DeviceInfo& d) {
+  return row_blocks < d.num_sms && col_tiles > 1 && d.coop;
+}
+
+// As many slices as `resident` blocks allow (the grid sync needs every block resident).
+Split split_work(int64_t rows, int bm, int col_tiles, int64_t resident, const DeviceInfo& d) {
+  Split s{(rows + bm - 1) / bm, col_tiles, 1};
+  if (may_slice(s.row_blocks, col_tiles, d)) {
+    const int64_t want =
+        std::min<int64_t>(col_tiles, std::max<int64_t>(1, resident / s.row_blocks));
+    s.per_block = static_cast<int>((col_tiles + want - 1) / want);
+    s.slices = (col_tiles + s.per_block - 1) / s.per_block;  // none left empty
+  }
+  return s;
+}
+
+// Estimated time of a launch with Tile, in arbitrary units (INT64_MAX: it does not fit): the
+// blocks run in waves of one per multiprocessor, each block doing per_block column tiles, and
+// a column tile costs streaming its W tiles (Tile::kWCost, in rows' worth of arithmetic) plus
+// BM rows of arithmetic.
+template <class Tile>
+int64_t launch_cost(int64_t rows, int k, int kpad, bool trans, size_t elem,
+                    const DeviceInfo& d) {
+  const size_t smem = smem_bytes<Tile>(kpad, trans, elem);
+  if (smem > static_cast<size_t>(d.smem_optin)) return INT64_MAX;
+  const int col_tiles = (k + Tile::BN - 1) / Tile::BN;
+  const int64_t per_sm = std::max<int64_t>(
+      1, std::min<int64_t>(d.smem_per_sm / (smem + d.smem_reserved),
+                           d.threads_per_sm / Tile::THREADS));
+  const Split s = split_work(rows, Tile::BM, col_tiles, per_sm * d.num_sms, d);
+  const int64_t waves = (s.row_blocks * s.slices + d.num_sms - 1) / d.num_sms;
+  return waves * s.per_block * (Tile::kWCost + Tile::BM);
+}
+
+// Index of the tile to use: the cheapest by launch_cost, the one with more rows on a tie
+// (less W traffic in total); -1 when none fits.
+template <class... Tiles>
+int pick_tile(TileList<Tiles...>, int64_t rows, int k, int kpad, bool trans, size_t elem,
+              const DeviceInfo& d) {
+  const int64_t cost[] = {launch_cost<Tiles>(rows, k, kpad, trans, elem, d)...};
+  int best = -1;
+  for (int i = 0; i < static_cast<int>(sizeof...(Tiles)); ++i)
+    if (cost[i] < INT64_MAX && (best < 0 || cost[i] < cost[best])) best = i;
+  return best;
+}
+
+template <typename T, bool TRANS, class Tile>
+cudaError_t launch_tile(Args<T> a, const DeviceInfo& d, cudaStream_t stream) {
+  const auto kernel = kernel_of<T, TRANS>(Tile{});
+  const size_t smem = smem_bytes<Tile>(a.kpad, TRANS, sizeof(T));
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+
+  const int col_tiles = (a.k + Tile::BN - 1) / Tile::BN;
+  Split s{(a.rows + Tile::BM - 1) / Tile::BM, col_tiles, 1};
+  if (may_slice(s.row_blocks, col_tiles, d)) {
+    // The exact number of blocks that fit at once, for the cooperative launch.
+    int per_sm = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tile::THREADS, smem);
+    if (err != cudaSuccess) return err;
+    s = split_work(a.rows, Tile::BM, col_tiles, static_cast<int64_t>(per_sm) * d.num_sms, d);
+  }
+  a.col_tiles_per_block = s.per_block;
+  a.grid_sync = s.slices > 1;
+
+  if (a.grid_sync) {
+    void* params[] = {&a};
+    err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel),
+                                      dim3(static_cast<unsigned>(s.row_blocks), s.slices),
+                                      dim3(Tile::THREADS), params, smem, stream);
+    if (err != cudaSuccess) return err;
+    return cudaGetLastError();
+  }
+  for (int64_t first = 0; first < s.row_blocks; first += INT_MAX) {
+    a.first_block = first;
+    const auto blocks = static_cast<unsigned>(std::min<int64_t>(s.row_blocks - first, INT_MAX));
+    kernel<<<dim3(blocks, 1), Tile::THREADS, smem, stream>>>(a);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+template <typename T, bool TRANS, class... Tiles>
+cudaError_t launch_family(TileList<Tiles...> tiles, const Args<T>& a, const DeviceInfo& d,
+                          cudaStream_t stream) {
+  const int index = pick_tile(tiles, a.rows, a.k, a.kpad, TRANS, sizeof(T), d);
+  if (index < 0) return cudaErrorInvalidValue;
+  cudaError_t err = cudaErrorInvalidValue;
+  int i = 0;
+  // Runs launch_tile for the index-th tile type.
+  ((i++ == index ? (err = launch_tile<T, TRANS, Tiles>(a, d, stream), 0) : 0), ...);
+  return err;
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t square_matmul_zero_ws_max_k(int64_t* max_k) {
+  DeviceInfo d;
+  const cudaError_t err = device_info(&d);
+  if (err != cudaSuccess) return err;
+  *max_k = use_tensor_cores<T>(d) ? family_max_k(MmaTiles{}, sizeof(T), d.smem_optin)
+                                  : family_max_k(FmaTiles{}, sizeof(T), d.smem_optin);
+  return cudaSuccess;
+}
+
+template <typename T>
+cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, const T* bias,
+                                  bool transpose, cudaStream_t stream) {
+  if (layout.rows == 0 || layout.n == 0) return cudaSuccess;
+  DeviceInfo d;
+  cudaError_t err = device_info(&d);
+  if (err != cudaSuccess) return err;
+  const bool mma = use_tensor_cores<T>(d);
+  const int64_t max_k = mma ? family_max_k(MmaTiles{}, sizeof(T), d.smem_optin)
+                            : family_max_k(FmaTiles{}, sizeof(T), d.smem_optin);
+  if (layout.n > max_k) return cudaErrorInvalidValue;
+
+  Args<T> a{};
+  a.x = x;
+  a.row = layout.row;
+  a.rows = layout.rows;
+  a.k = static_cast<int>(layout.n);
+  a.kpad = round_up(a.k, kBK);
+  a.ldx = a.kpad + (mma ? kMmaXPad : kFmaXPad);
+  a.w = w;
+  a.bias = bias;
+  constexpr int V = 16 / sizeof(T);
+  bool rows_aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && a.k % V == 0;
+  for (int i = 0; i < layout.row.ndim; ++i) rows_aligned &= layout.row.strides[i] % V == 0;
+  a.x_vec = rows_aligned;
+  a.w_vec = reinterpret_cast<uintptr_t>(w) % 16 == 0 && a.k % V == 0;
+
+  if constexpr (sizeof(T) == 2) {
+    if (mma)
+      return transpose ? launch_family<T, true>(MmaTiles{}, a, d, stream)
+                       : launch_family<T, false>(MmaTiles{}, a, d, stream);
+  }
+  return transpose ? launch_family<T, true>(FmaTiles{}, a, d, stream)
+                   : launch_family<T, false>(FmaTiles{}, a, d, stream);
+}
+
+template cudaError_t square_matmul_zero_ws<float>(float*, const RowLayout&, const float*,
+                                                  const float*, bool, cudaStream_t);
+template cudaError_t square_matmul_zero_ws<__half>(__half*, const RowLayout&, const __half*,
+                                                   const __half*, bool, cudaStream_t);
+template cudaError_t square_matmul_zero_ws<__nv_bfloat16>(__nv_bfloat16*, const RowLayout&,
+                                                          const __nv_bfloat16*,
+                                                          const __nv_bfloat16*, bool,
+                                                          cudaStream_t);
+template cudaError_t square_matmul_zero_ws_max_k<float>(int64_t*);
+template cudaError_t square_matmul_zero_ws_max_k<__half>(int64_t*);
+template cudaError_t square_matmul_zero_ws_max_k<__nv_bfloat16>(int64_t*);
+
+}  // namespace mti

@@ -1,0 +1,32 @@
+// Torch-free launcher of square_matmul_'s zero-workspace kernel: x <- x @ W (+ bias) written
+// over x using no device memory beyond x, W and bias.
+//
+// Each thread block owns whole rows of x: it copies them into shared memory before the first
+// write, so it can overwrite them in global memory while it computes. That bounds K by the
+// shared memory of one block; square_matmul_zero_ws_max_k says how far on the current device.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/row_layout.h"
+
+namespace mti {
+
+// x: layout.rows rows of K = layout.n elements, neighbours in a row adjacent (col_stride 1),
+// row r starting at x + layout.row.offset(r); rows must not overlap each other, W or bias.
+// w: (K, K) contiguous. bias: K elements, or nullptr for none. transpose: multiply by W^T.
+// T is float, __half or __nv_bfloat16; accumulation is fp32 (full fp32 FMA for float).
+// Runs on `stream` on the current device. Returns cudaErrorInvalidValue, launching nothing,
+// when K > square_matmul_zero_ws_max_k<T>; otherwise the launch's error.
+template <typename T>
+cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, const T* bias,
+                                  bool transpose, cudaStream_t stream);
+
+// The largest K that square_matmul_zero_ws<T> accepts on the current device (either
+// transpose), from its shared memory per block.
+template <typename T>
+cudaError_t square_matmul_zero_ws_max_k(int64_t* max_k);
+
+}  // namespace mti

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# One command for a maintainer with a GPU: build the extension in place, run the whole test
+# suite, then the benchmarks, with every log and result under one folder.
+#
+#   bash scripts/gpu_check.sh [results_dir]        # default: benchmarks/results
+#
+# Environment: QUICK=1 passes --quick to the benchmarks that take it; SKIP_BENCH=1 stops after
+# the tests; TORCH_CUDA_ARCH_LIST (default: this GPU's own arch, the fastest build) and
+# MAX_JOBS (default 16) go to the build.
+# Exits non-zero if the build, any test or any benchmark failed, or if a GPU is present but a
+# CUDA test was skipped or the build has no CUDA kernels.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RESULTS="${1:-$ROOT/benchmarks/results}"
+mkdir -p "$RESULTS/logs"
+RESULTS="$(cd "$RESULTS" && pwd)"
+LOGS="$RESULTS/logs"
+QUICK="${QUICK:-0}"
+SKIP_BENCH="${SKIP_BENCH:-0}"
+
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export MTI_RESULTS_DIR="$RESULTS" # benchmarks/common.py writes its results here
+export MAX_JOBS="${MAX_JOBS:-16}"
+
+SUMMARY=()
+FAILED=0
+note() { SUMMARY+=("$(printf '%-22s %s' "$1" "$2")"); }
+fail() { note "$1" "FAILED: $2"; FAILED=1; }
+
+# Runs "$@" with its output both on the terminal and in $LOGS/<name>.log; returns its status.
+logged() {
+  local name="$1"
+  shift
+  echo "== $name: $*"
+  "$@" 2>&1 | tee "$LOGS/$name.log"
+}
+
+HAS_GPU="$(python -c 'import torch; print(int(torch.cuda.is_available()))')"
+if [[ "$HAS_GPU" == 1 ]]; then
+  GPU_ARCH="$(python -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
+  export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$GPU_ARCH}"
+  python -c 'import torch; print(f"GPU: {torch.cuda.get_device_name()}, " +
+    f"torch {torch.__version__}, CUDA {torch.version.cuda}")'
+else
+  echo "No GPU: building and testing the CPU backend only"
+fi
+
+# ---------------------------------------------------------------- build
+if ! logged build python setup.py build_ext --inplace; then
+  echo "build failed; log: $LOGS/build.log"
+  exit 1
+fi
+note build "ok (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-cpu only}, MAX_JOBS=$MAX_JOBS)"
+
+if [[ "$HAS_GPU" == 1 ]]; then
+  # A build without nvcc (no CUDA_HOME) silently yields CPU kernels only.
+  if python -c '
+import sys, torch, make_torch_inplace
+ops = ["square_matmul_", "softmax_", "layer_norm_", "rms_norm_"]
+has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+missing = [op for op in ops if not has_kernel(f"make_torch_inplace::{op}", "CUDA")]
+print("ops without a CUDA kernel:", missing or "none")
+sys.exit(1 if missing else 0)'; then
+    note "cuda kernels" "all ops registered for CUDA"
+  else
+    fail "cuda kernels" "some ops have no CUDA kernel (was nvcc / CUDA_HOME found?)"
+  fi
+fi
+
+# ---------------------------------------------------------------- tests
+# -v names every test and its outcome; -rs lists every skip with its reason.
+PYTEST_STATUS=0
+logged pytest python -m pytest tests -v -rs || PYTEST_STATUS=$?
+COUNTS="$(grep -E '^=+ .*[0-9]+ (passed|failed|skipped|error)' "$LOGS/pytest.log" |
+  tail -1 | tr -d '=' | xargs || true)"
+if [[ "$PYTEST_STATUS" == 0 ]]; then
+  note pytest "${COUNTS:-no summary line}"
+else
+  fail pytest "exit $PYTEST_STATUS: ${COUNTS:-no summary line}"
+fi
+if [[ "$HAS_GPU" == 1 ]]; then
+  # A skipped CUDA test on a GPU machine means the GPU path went untested.
+  CUDA_SKIPS="$(grep -icE 'SKIPPED.*(cuda|gpu)|(cuda|gpu).*SKIPPED' "$LOGS/pytest.log" || true)"
+  if [[ "$CUDA_SKIPS" == 0 ]]; then
+    note "cuda skips" "none"
+  else
+    fail "cuda skips" "$CUDA_SKIPS CUDA/GPU skip lines in $LOGS/pytest.log"
+    grep -iE 'SKIPPED.*(cuda|gpu)|(cuda|gpu).*SKIPPED' "$LOGS/pytest.log" | head -20
+  fi
+fi
+
+# ---------------------------------------------------------------- benchmarks
+QUICK_ARGS=()
+[[ "$QUICK" == 1 ]] && QUICK_ARGS=(--quick)
+
+bench() { # bench <script> [--quick-capable]
+  local script="benchmarks/$1.py"
+  if [[ ! -f "$script" ]]; then
+    note "$1" "not present, skipped"
+    return 0
+  fi
+  local args=()
+  [[ "${2:-}" == quick ]] && args=("${QUICK_ARGS[@]}")
+  if logged "$1" python "$script" "${args[@]}"; then
+    note "$1" "ok"
+  else
+    fail "$1" "see $LOGS/$1.log"
+  fi
+}
+
+if [[ "$SKIP_BENCH" == 1 ]]; then
+  note benchmarks "skipped (SKIP_BENCH=1)"
+else
+  bench memory_demo
+  bench bench_rowwise quick
+  bench bench_square_matmul quick
+  bench bench_e2e quick
+fi
+
+# ---------------------------------------------------------------- summary
+echo
+echo "================ gpu_check summary ================"
+printf '%s\n' "${SUMMARY[@]}"
+echo "results and logs: $RESULTS"
+if [[ "$FAILED" == 1 ]]; then
+  echo "RESULT: FAILED"
+  exit 1
+fi
+echo "RESULT: ok"

@@ -1,0 +1,353 @@
+"""Bad input: each case must raise the error PyTorch would raise (RuntimeError, ValueError,
+IndexError) with a message naming the problem, and leave x bit-identical (all checks run
+before the first byte of x is written)."""
+
+import pytest
+import torch
+
+import make_torch_inplace as mti
+from helpers import DEVICES, Untouched, check_op, randn, ref_linear, requires_cuda
+
+_ops = torch.ops.make_torch_inplace
+F32 = torch.float32
+
+
+def rand(*shape, device, dtype=F32, seed=0):
+    return randn(shape, dtype, device, seed)
+
+
+def int_tensor(*shape, device):
+    return torch.arange(torch.Size(shape).numel(), device=device).reshape(shape).to(torch.int32)
+
+
+# Each case builds its inputs on `device` and returns (x, call, expected error, message regex).
+# `call` runs the op; x is the tensor it must leave untouched.
+
+
+def _matmul_nonsquare(d):
+    x = rand(4, 8, device=d)
+    return x, lambda: mti.square_matmul_(x, rand(8, 4, device=d)), RuntimeError, "square"
+
+
+def _linear_nonsquare(d):
+    x = rand(4, 8, device=d)
+    return x, lambda: mti.linear_(x, rand(4, 8, device=d)), RuntimeError, "square"
+
+
+def _matmul_k_mismatch(d):
+    x = rand(4, 8, device=d)
+    return x, lambda: mti.square_matmul_(x, rand(16, 16, device=d)), RuntimeError, "last dim"
+
+
+def _matmul_weight_dtype(d):
+    x = rand(4, 8, device=d)
+    w = rand(8, 8, device=d, dtype=torch.bfloat16)
+    return x, lambda: mti.square_matmul_(x, w), RuntimeError, "weight.*dtype"
+
+
+def _matmul_bias_dtype(d):
+    x = rand(4, 8, device=d, dtype=torch.float16)
+    w = rand(8, 8, device=d, dtype=torch.float16)
+    b = rand(8, device=d)
+    return x, lambda: mti.square_matmul_(x, w, b), RuntimeError, "bias.*dtype"
+
+
+def _matmul_bias_shape(d):
+    x = rand(4, 8, device=d)
+    return x, lambda: mti.square_matmul_(x, rand(8, 8, device=d), rand(1, 8, device=d)), \
+        RuntimeError, "bias must have shape"
+
+
+def _matmul_bias_length(d):
+    x = rand(4, 8, device=d)
+    return x, lambda: mti.square_matmul_(x, rand(8, 8, device=d), rand(9, device=d)), \
+        RuntimeError, "bias must have shape"
+
+
+def _matmul_int(d):
+    x = int_tensor(4, 8, device=d)
+    return x, lambda: mti.square_matmul_(x, int_tensor(8, 8, device=d)), RuntimeError, "float"
+
+
+def _matmul_x_is_weight(d):
+    w = rand(8, 8, device=d)
+    return w, lambda: mti.square_matmul_(w, w), RuntimeError, "overlaps weight"
+
+
+def _matmul_x_views_weight(d):
+    w = rand(8, 8, device=d)
+    x = w[2:5]
+    return x, lambda: mti.square_matmul_(x, w), RuntimeError, "overlaps weight"
+
+
+def _matmul_x_overlaps_bias(d):
+    big = rand(5, 8, device=d)
+    return big, lambda: mti.square_matmul_(big, rand(8, 8, device=d), big[2]), RuntimeError, \
+        "overlaps bias"
+
+
+def _matmul_expanded_x(d):
+    x = rand(1, 8, device=d).expand(4, 8)
+    return x, lambda: mti.square_matmul_(x, rand(8, 8, device=d)), RuntimeError, "overlapping"
+
+
+def _matmul_transposed_x(d):
+    # Columns strided: refused (rows may be strided, elements within a row may not).
+    x = rand(8, 4, device=d).t()
+    return x, lambda: mti.square_matmul_(x, rand(8, 8, device=d)), ValueError, "stride 1"
+
+
+def _matmul_negative_workspace(d):
+    x = rand(4, 8, device=d)
+    return x, lambda: mti.square_matmul_(x, rand(8, 8, device=d), workspace_bytes=-1), \
+        ValueError, "workspace"
+
+
+def _matmul_scalar_x(d):
+    x = rand(device=d)
+    return x, lambda: mti.square_matmul_(x, rand(1, 1, device=d)), RuntimeError, "dim"
+
+
+def _softmax_int(d):
+    x = int_tensor(4, 5, device=d)
+    return x, lambda: mti.softmax_(x), RuntimeError, "float"
+
+
+def _log_softmax_dim_out_of_range(d):
+    x = rand(4, 5, device=d)
+    return x, lambda: mti.log_softmax_(x, dim=2), IndexError, "range"
+
+
+def _softmax_dim_out_of_range_negative(d):
+    x = rand(4, 5, device=d)
+    return x, lambda: mti.softmax_(x, dim=-3), IndexError, "range"
+
+
+def _softmax_mask_not_broadcastable(d):
+    x = rand(4, 5, device=d)
+    return x, lambda: mti.softmax_(x, mask=torch.ones(3, dtype=torch.bool, device=d)), \
+        RuntimeError, "broadcast"
+
+
+def _softmax_mask_more_dims(d):
+    x = rand(4, 5, device=d)
+    return x, lambda: mti.softmax_(x, mask=torch.ones(2, 4, 5, dtype=torch.bool, device=d)), \
+        RuntimeError, "broadcast"
+
+
+def _softmax_mask_int(d):
+    x = rand(4, 5, device=d)
+    return x, lambda: mti.softmax_(x, mask=int_tensor(4, 5, device=d)), RuntimeError, "mask"
+
+
+def _softmax_mask_is_x(d):
+    x = rand(4, 5, device=d)
+    return x, lambda: mti.softmax_(x, mask=x), RuntimeError, "overlaps mask"
+
+
+def _softmax_mask_views_x(d):
+    x = rand(4, 5, device=d)
+    return x, lambda: mti.softmax_(x, mask=x[1]), RuntimeError, "overlaps mask"
+
+
+def _softmax_expanded_x(d):
+    x = rand(1, 5, device=d).expand(4, 5)
+    return x, lambda: mti.softmax_(x), RuntimeError, "overlapping"
+
+
+def _softmax_causal_dim0(d):
+    x = rand(4, 5, device=d)
+    return x, lambda: mti.softmax_(x, dim=0, causal=True), ValueError, "causal"
+
+
+def _log_softmax_causal_1d(d):
+    x = rand(5, device=d)
+    return x, lambda: mti.log_softmax_(x, causal=True), ValueError, "causal"
+
+
+def _softmax_too_many_strided_groups(d):
+    # Nine leading dims of size 2 taken from size-3 dims: no two merge, and the row indexer
+    # holds at most eight groups.
+    x = rand(*([3] * 9), 4, device=d)[(slice(0, 2),) * 9]
+    return x, lambda: mti.softmax_(x), ValueError, "contiguous"
+
+
+def _layer_norm_shape_mismatch(d):
+    x = rand(4, 6, device=d)
+    return x, lambda: mti.layer_norm_(x, (5,)), RuntimeError, "normalized_shape"
+
+
+def _layer_norm_shape_too_long(d):
+    x = rand(4, 6, device=d)
+    return x, lambda: mti.layer_norm_(x, (2, 4, 6)), RuntimeError, "normalized_shape"
+
+
+def _rms_norm_empty_shape(d):
+    x = rand(4, 6, device=d)
+    return x, lambda: mti.rms_norm_(x, ()), RuntimeError, "normalized_shape"
+
+
+def _layer_norm_weight_shape(d):
+    x = rand(4, 6, device=d)
+    return x, lambda: mti.layer_norm_(x, (6,), rand(5, device=d)), RuntimeError, "weight"
+
+
+def _layer_norm_bias_shape(d):
+    x = rand(4, 6, device=d)
+    return x, lambda: mti.layer_norm_(x, (6,), rand(6, device=d), rand(1, 6, device=d)), \
+        RuntimeError, "bias"
+
+
+def _rms_norm_weight_shape(d):
+    x = rand(2, 4, 6, device=d)
+    return x, lambda: mti.rms_norm_(x, (4, 6), rand(24, device=d)), RuntimeError, "weight"
+
+
+def _layer_norm_weight_dtype(d):
+    x = rand(4, 6, device=d, dtype=torch.bfloat16)
+    return x, lambda: mti.layer_norm_(x, (6,), rand(6, device=d)), RuntimeError, "dtype"
+
+
+def _rms_norm_weight_dtype(d):
+    x = rand(4, 6, device=d)
+    w = rand(6, device=d, dtype=torch.float16)
+    return x, lambda: mti.rms_norm_(x, (6,), w), RuntimeError, "dtype"
+
+
+def _layer_norm_int(d):
+    x = int_tensor(4, 6, device=d)
+    return x, lambda: mti.layer_norm_(x, (6,)), RuntimeError, "float"
+
+
+def _rms_norm_int(d):
+    x = int_tensor(4, 6, device=d)
+    return x, lambda: mti.rms_norm_(x, (6,)), RuntimeError, "float"
+
+
+def _layer_norm_weight_views_x(d):
+    x = rand(4, 6, device=d)
+    return x, lambda: mti.layer_norm_(x, (6,), x[0]), RuntimeError, "overlaps weight"
+
+
+def _rms_norm_expanded_x(d):
+    x = rand(1, 6, device=d).expand(4, 6)
+    return x, lambda: mti.rms_norm_(x, (6,)), RuntimeError, "overlapping"
+
+
+def _layer_norm_dims_do_not_merge(d):
+    # x is (4, 5, 6) with strides (30, 1, 5): the normalized (5, 6) are not one strided dim.
+    x = rand(4, 6, 5, device=d).transpose(1, 2)
+    return x, lambda: mti.layer_norm_(x, (5, 6)), ValueError, "merge"
+
+
+def _layer_norm_rstd_wrong_size(d):
+    x = rand(4, 6, device=d)
+    rstd = torch.zeros(3, device=d)
+    return x, lambda: _ops.layer_norm_(x, [6], None, None, 1e-5, rstd), RuntimeError, "rstd"
+
+
+def _rms_norm_rstd_wrong_dtype(d):
+    x = rand(4, 6, device=d)
+    rstd = torch.zeros(4, device=d, dtype=torch.float16)
+    return x, lambda: _ops.rms_norm_(x, [6], None, 1e-5, rstd), RuntimeError, "rstd"
+
+
+def _layer_norm_rstd_overlaps_x(d):
+    x = rand(4, 6, device=d)
+    rstd = x[0, :4]
+    return x, lambda: _ops.layer_norm_(x, [6], None, None, 1e-5, rstd), RuntimeError, \
+        "overlaps rstd"
+
+
+CASES = [
+    _matmul_nonsquare, _linear_nonsquare, _matmul_k_mismatch, _matmul_weight_dtype,
+    _matmul_bias_dtype, _matmul_bias_shape, _matmul_bias_length, _matmul_int,
+    _matmul_x_is_weight, _matmul_x_views_weight, _matmul_x_overlaps_bias, _matmul_expanded_x,
+    _matmul_transposed_x, _matmul_negative_workspace, _matmul_scalar_x,
+    _softmax_int, _log_softmax_dim_out_of_range, _softmax_dim_out_of_range_negative,
+    _softmax_mask_not_broadcastable, _softmax_mask_more_dims, _softmax_mask_int,
+    _softmax_mask_is_x, _softmax_mask_views_x, _softmax_expanded_x, _softmax_causal_dim0,
+    _log_softmax_causal_1d, _softmax_too_many_strided_groups,
+    _layer_norm_shape_mismatch, _layer_norm_shape_too_long, _rms_norm_empty_shape,
+    _layer_norm_weight_shape, _layer_norm_bias_shape, _rms_norm_weight_shape,
+    _layer_norm_weight_dtype, _rms_norm_weight_dtype, _layer_norm_int, _rms_norm_int,
+    _layer_norm_weight_views_x, _rms_norm_expanded_x, _layer_norm_dims_do_not_merge,
+    _layer_norm_rstd_wrong_size, _rms_norm_rstd_wrong_dtype, _layer_norm_rstd_overlaps_x,
+]
+
+
+def check_raises_untouched(x, call, error, message):
+    guard = Untouched(x)
+    with pytest.raises(error, match=message):
+        call()
+    assert guard.x_unchanged(), "x changed although the op raised"
+    assert guard.outside_unchanged(), "memory around x changed although the op raised"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__.lstrip("_"))
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device, case):
+    check_raises_untouched(*case(device))
+
+
+# --------------------------------------------------------------------------- CUDA only
+
+
+def _weight_on_cpu(d):
+    x = rand(4, 8, device=d)
+    return x, lambda: mti.square_matmul_(x, rand(8, 8, device="cpu")), RuntimeError, "device"
+
+
+def _bias_on_cpu(d):
+    x = rand(4, 8, device=d)
+    return x, lambda: mti.linear_(x, rand(8, 8, device=d), rand(8, device="cpu")), \
+        RuntimeError, "device"
+
+
+def _mask_on_cpu(d):
+    x = rand(4, 5, device=d)
+    return x, lambda: mti.softmax_(x, mask=torch.ones(5, dtype=torch.bool)), RuntimeError, \
+        "device"
+
+
+def _norm_weight_on_cpu(d):
+    x = rand(4, 6, device=d)
+    return x, lambda: mti.layer_norm_(x, (6,), rand(6, device="cpu")), RuntimeError, "device"
+
+
+def _rms_weight_on_cpu(d):
+    x = rand(4, 6, device=d)
+    return x, lambda: mti.rms_norm_(x, (6,), rand(6, device="cpu")), RuntimeError, "device"
+
+
+def _float64_on_cuda(d):
+    # float64 is a CPU-only convenience for gradcheck.
+    x = rand(4, 6, device=d, dtype=torch.float64)
+    return x, lambda: mti.softmax_(x), RuntimeError, "Double|float64"
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", [_weight_on_cpu, _bias_on_cpu, _mask_on_cpu,
+                                  _norm_weight_on_cpu, _rms_weight_on_cpu, _float64_on_cuda],
+                         ids=lambda c: c.__name__.lstrip("_"))
+def test_bad_input_cuda(case):
+    check_raises_untouched(*case("cuda"))
+
+
+@requires_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_weight_on_other_gpu():
+    x = rand(4, 8, device="cuda:0")
+    check_raises_untouched(x, lambda: mti.square_matmul_(x, rand(8, 8, device="cuda:1")),
+                           RuntimeError, "device")
+
+
+# --------------------------------------------------------------------------- what does work
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_disjoint_views_of_one_buffer_are_accepted(device):
+    """Sharing a storage is not overlap: x and bias from disjoint rows of one buffer work."""
+    big = rand(5, 8, device=device)
+    x, bias = big[1:], big[0]
+    check_op(mti.linear_, ref_linear, x, rand(8, 8, device=device), bias)

@@ -1,0 +1,351 @@
+"""convert(): rewritten models compute what the originals compute (against an fp64 copy of
+the model, PyTorch's own error as the yardstick), never write their inputs or parameters, and
+rewrite exactly the sites where the overwritten tensor is dead."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import make_torch_inplace as mti
+from helpers import DEVICES, assert_accurate, randn
+
+D, HEADS = 64, 4
+
+
+class PreNormBlock(nn.Module):
+    """x + attn(norm1(x)), then x + mlp(norm2(x)): x is read after each norm, so the norms
+    must stay out of place; the attention scores and the projections are dead temporaries."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        qkv = self.qkv(self.norm1(x)).view(b, t, 3, HEADS, D // HEADS)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        scores = (q @ k.transpose(-1, -2)) * (D // HEADS) ** -0.5 + mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        x = x + self.proj((probs @ v).transpose(1, 2).reshape(b, t, D))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class PostNormBlock(nn.Module):
+    """norm(x + f(x)) with module and method forms: the norm's input is dead."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) / D**0.5)
+        self.lin = nn.Linear(D, D)
+        self.ln = nn.LayerNorm(D)
+        self.rms = nn.RMSNorm(D)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        h = self.ln(x + self.lin(x))
+        h = self.rms(h @ self.w)
+        h = torch.addmm(self.lin.bias, h.view(-1, D), self.w).view_as(x)
+        return self.softmax(h).log_softmax(-1)
+
+
+def make_block(cls, device, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return cls().to(device=device, dtype=dtype).eval()
+
+
+def block_inputs(device, dtype=torch.float32, b=2, t=8):
+    x = randn((b, t, D), dtype, device, seed=1)
+    mask = randn((b, 1, t, t), dtype, device, seed=2)
+    return x, mask
+
+
+def check_converted(model, *inputs, mode=torch.no_grad):
+    """Runs the original, an fp64 copy and the converted model under `mode`; checks accuracy
+    and that the inputs and parameters are untouched. Returns the converted module."""
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    before = [x.clone() for x in inputs]
+    as64 = [x.double() if x.is_floating_point() else x for x in inputs]
+    with mode():
+        ref64 = copy.deepcopy(model).double()(*as64)
+        expected = model(*inputs)
+        converted = mti.convert(model)
+        out = converted(*inputs)
+    for o, e, r in zip(*map(pytree.tree_leaves, (out, expected, ref64)), strict=True):
+        assert_accurate(o, e, r)
+    for x, b in zip(inputs, before, strict=True):
+        assert torch.equal(x, b), "an input was written"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, params[k]), f"parameter {k} was written"
+    return converted
+
+
+def ops_of(converted):
+    return [s.op for s in converted.sites]
+
+
+# --------------------------------------------------------------------------- hand-written blocks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pre_norm_block(device):
+    model = make_block(PreNormBlock, device)
+    converted = check_converted(model, *block_inputs(device))
+    ops = ops_of(converted)
+    assert "layer_norm_" not in ops, "a pre-norm norm's input is read later"
+    [softmax] = [s for s in converted.sites if s.op == "softmax_"]
+    assert softmax.pattern == "mul -> add -> softmax"  # scale and mask folded in
+    assert ops.count("linear_") == 1  # proj; qkv, fc1 and fc2 are not square
+    assert "gelu_" in ops and "add_" in ops
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pre_norm_block_bf16_folds_the_float32_softmax(device):
+    """softmax(x, dtype=float32).to(x.dtype) becomes one softmax_ in x's dtype."""
+    model = make_block(PreNormBlock, device, torch.bfloat16)
+    converted = check_converted(model, *block_inputs(device, torch.bfloat16))
+    [softmax] = [s for s in converted.sites if s.op == "softmax_"]
+    assert softmax.pattern == "mul -> add -> softmax -> to"
+    assert softmax.dtype == torch.bfloat16 and softmax.nbytes == 2 * HEADS * 8 * 8 * 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_post_norm_block(device):
+    model = make_block(PostNormBlock, device)
+    converted = check_converted(model, randn((2, 8, D), torch.float32, device, seed=1))
+    ops = ops_of(converted)
+    for op in ("layer_norm_", "rms_norm_", "square_matmul_", "softmax_", "log_softmax_"):
+        assert op in ops, op
+    assert ops.count("square_matmul_") == 2  # h @ w and addmm(bias, h, w)
+
+
+def test_verbose_lists_sites(capsys):
+    model = make_block(PreNormBlock, "cpu")
+    converted = mti.convert(model, verbose=True)
+    with torch.no_grad():
+        converted(*block_inputs("cpu"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "mti.convert" in line]
+    assert len(lines) == len(converted.sites) > 0
+    for line, site in zip(lines, converted.sites, strict=True):
+        assert site.op in line and f"saves {site.nbytes:,} bytes" in line
+    assert any("mul -> add -> softmax -> softmax_" in line for line in lines)
+    assert any(line.startswith("mti.convert: proj") for line in lines)
+
+
+def test_new_shapes_recompile_and_stay_correct():
+    model = make_block(PreNormBlock, "cpu")
+    converted = mti.convert(model)
+    for b, t in ((2, 8), (1, 16), (3, 5)):
+        x, mask = block_inputs("cpu", b=b, t=t)
+        with torch.no_grad():
+            expected = model(x, mask)
+            ref64 = copy.deepcopy(model).double()(x.double(), mask.double())
+            assert_accurate(converted(x, mask), expected, ref64)
+
+
+def test_inference_mode():
+    model = make_block(PreNormBlock, "cpu")
+    converted = check_converted(model, *block_inputs("cpu"), mode=torch.inference_mode)
+    assert "softmax_" in ops_of(converted)
+
+
+# --------------------------------------------------------------------------- where not to
+
+
+class Probe(nn.Module):
+    """A tiny model around one pattern, given as a function of (module, x)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.lin = nn.Linear(D, D)
+        self.w = nn.Parameter(torch.randn(D, D))
+        self.register_buffer("buf", torch.randn(D))
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+def _view_read_later(m, x):
+    h = m.lin(x)
+    first = h[..., :1]
+    return torch.softmax(h, -1) * first
+
+
+def _returned(m, x):
+    h = m.lin(x)
+    return torch.softmax(h, -1), h
+
+
+def _written_between_scale_and_softmax(m, x):
+    h = m.lin(x)
+    t = h * 0.5
+    h.add_(1.0)
+    return torch.softmax(t, -1)
+
+
+def _broadcast_target(m, x):
+    small = m.lin(x).mean(1, keepdim=True)
+    return small + x
+
+
+def _promoting(m, x):
+    return m.lin(x).to(torch.bfloat16) + x
+
+
+def _expanded(m, x):
+    return m.lin(x)[:, :1].expand_as(x) * 2.0
+
+
+def _chunk_sibling(m, x):
+    p, q = m.lin(x).chunk(2, -1)  # views of one tensor: q is read after softmax(p)
+    return torch.softmax(p, -1) * q
+
+
+def _across_graph_break(m, x):
+    h = m.lin(x)
+    torch._dynamo.graph_break()  # h is an input of the second graph
+    return torch.softmax(h, -1)
+
+
+NOT_REWRITTEN = {
+    "input": (lambda m, x: torch.softmax(x, -1), "softmax_"),
+    "parameter": (lambda m, x: torch.softmax(m.w, -1) @ x.transpose(-1, -2), "softmax_"),
+    "buffer": (lambda m, x: torch.softmax(m.buf, -1) * x, "softmax_"),
+    "view_read_later": (_view_read_later, "softmax_"),
+    "returned": (_returned, "softmax_"),
+    "chunk_sibling": (_chunk_sibling, "softmax_"),
+    "across_graph_break": (_across_graph_break, "softmax_"),
+    "broadcast_target": (_broadcast_target, "add_"),
+    "promoting": (_promoting, "add_"),
+    "expanded": (_expanded, "mul_"),
+    "non_square": (lambda m, x: F.linear(m.lin(x), m.w[: D // 2]), "linear_"),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_REWRITTEN))
+def test_not_rewritten_where_unsafe(case):
+    fn, op = NOT_REWRITTEN[case]
+    torch.manual_seed(0)
+    converted = check_converted(Probe(fn).eval(), randn((2, 8, D), torch.float32, "cpu", 1))
+    assert op not in ops_of(converted)
+
+
+def test_write_between_scale_and_softmax_is_not_folded():
+    torch.manual_seed(0)
+    model = Probe(_written_between_scale_and_softmax).eval()
+    converted = check_converted(model, randn((2, 8, D), torch.float32, "cpu", seed=1))
+    assert [s.pattern for s in converted.sites if s.op == "softmax_"] == ["softmax"]
+
+
+def test_model_with_inplace_modules():
+    """Our own ops in the captured graph (they return nothing and mutate x) are analysed as
+    reads of x: the softmax after an InplaceLinear still runs in place, correctly."""
+
+    def fn(m, x):
+        return torch.softmax(m.square(m.lin(x)), -1)
+
+    torch.manual_seed(0)
+    model = Probe(fn).eval().requires_grad_(False)
+    model.square = mti.nn.InplaceLinear(D, D)
+    converted = check_converted(model, randn((2, 8, D), torch.float32, "cpu", seed=1))
+    assert "softmax_" in ops_of(converted)
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def test_refuses_to_run_where_autograd_records():
+    model = make_block(PreNormBlock, "cpu").train()
+    converted = mti.convert(model)
+    x, mask = block_inputs("cpu")
+    with pytest.raises(RuntimeError, match="inference"):
+        converted(x, mask)
+    model.eval()
+    with pytest.raises(RuntimeError, match="inference"):
+        converted(x, mask)
+    with pytest.raises(RuntimeError, match="inference"):
+        converted(x.requires_grad_(), mask)
+
+
+def test_runs_with_grad_mode_on_when_nothing_requires_grad():
+    model = make_block(PreNormBlock, "cpu").requires_grad_(False)
+    converted = check_converted(model, *block_inputs("cpu"), mode=torch.enable_grad)
+    assert "softmax_" in ops_of(converted)
+
+
+def test_training_mode_under_no_grad():
+    model = make_block(PreNormBlock, "cpu").train()
+    converted = check_converted(model, *block_inputs("cpu"))
+    assert "softmax_" in ops_of(converted)
+
+
+def test_rejects_non_modules():
+    with pytest.raises(TypeError, match="nn.Module"):
+        mti.convert(lambda x: x)
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def _hf_model(kind, attn):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    common = dict(vocab_size=128, attn_implementation=attn)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=D, n_head=HEADS, **common)
+        cls = transformers.GPT2Model
+    elif kind == "bert":
+        config = transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=D, intermediate_size=4 * D,
+            num_attention_heads=HEADS, **common,
+        )
+        cls = transformers.BertModel
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=D, intermediate_size=3 * D,
+            num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, **common,
+        )
+        cls = transformers.LlamaModel
+    torch.manual_seed(0)
+    return cls(config).eval(), config
+
+
+class _LastHiddenState(nn.Module):
+    """A transformers model seen as a function of (input_ids, attention_mask) -> tensor."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+def test_transformers(kind, attn, device):
+    model, config = _hf_model(kind, attn)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0  # padding: the eager attention adds a mask
+    converted = check_converted(
+        _LastHiddenState(model).to(device), ids.to(device), mask.to(device)
+    )
+    sites = converted.sites
+    layers = config.num_hidden_layers
+    softmaxes = [s for s in sites if s.op == "softmax_"]
+    assert len(softmaxes) == (layers if attn == "eager" else 0)
+    assert all(s.pattern.startswith("mul -> add -> softmax") for s in softmaxes)
+    norms = [s for s in sites if s.op == "layer_norm_"]
+    if kind == "gpt2":  # pre-norm: only the final norm's input is dead
+        assert [s.where.split()[0] for s in norms] == ["model.ln_f"]
+    if kind == "bert":  # post-norm: the embeddings' norm and two per layer
+        assert len(norms) == 1 + 2 * layers
+    assert len([s for s in sites if s.op in ("linear_", "square_matmul_")]) == layers

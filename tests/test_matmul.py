@@ -1,0 +1,151 @@
+"""square_matmul_ and linear_ against F.linear on an fp64 reference: transpose, bias, every
+workspace mode (default, none, a few rows' worth so that many chunks run, the global limit and
+its context manager), odd K and M, strided rows."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import make_torch_inplace as mti
+from helpers import (
+    DEVICES,
+    DTYPE_PARAMS,
+    ROW_STRIDED_LAYOUTS,
+    check_op,
+    examples,
+    lead_shapes,
+    randn,
+    ref_linear,
+    ref_square_matmul,
+    seeds,
+    with_layout,
+)
+
+# How square_matmul_ is told its workspace: the default limit; workspace_bytes=0 (the kernel
+# without workspace); room for three rows, so an input of more rows runs in several chunks;
+# one byte (less than a row); and the global limit, through the context manager and the setter.
+WORKSPACE_MODES = ("default", "none", "three_rows", "one_byte", "context_three_rows",
+                   "global_none")
+
+
+def matmul_op(mode):
+    """square_matmul_ with the workspace chosen as `mode` says, same signature otherwise."""
+
+    def op(x, weight, bias=None, *, transpose=False):
+        three_rows = 3 * x.shape[-1] * x.element_size()
+        if mode == "default":
+            return mti.square_matmul_(x, weight, bias, transpose=transpose)
+        if mode in ("none", "three_rows", "one_byte"):
+            nbytes = {"none": 0, "three_rows": three_rows, "one_byte": 1}[mode]
+            return mti.square_matmul_(x, weight, bias, transpose=transpose,
+                                      workspace_bytes=nbytes)
+        if mode == "context_three_rows":
+            with mti.workspace_limit(three_rows):
+                return mti.square_matmul_(x, weight, bias, transpose=transpose)
+        if mode == "global_none":
+            previous = mti.get_workspace_limit()
+            mti.set_workspace_limit(0)
+            try:
+                return mti.square_matmul_(x, weight, bias, transpose=transpose)
+            finally:
+                mti.set_workspace_limit(previous)
+        raise ValueError(mode)
+
+    op.__name__ = f"square_matmul_[{mode}]"
+    return op
+
+
+def check_matmul(device, dtype, lead, k, seed, *, transpose, with_bias, mode="default",
+                 layout="contiguous"):
+    x = with_layout(randn(lead + (k,), dtype, device, seed), layout)
+    # Scaled so that outputs stay O(1) whatever K.
+    weight = randn((k, k), dtype, device, seed + 1, scale=max(k, 1) ** -0.5)
+    bias = randn((k,), dtype, device, seed + 2) if with_bias else None
+    check_op(matmul_op(mode), ref_square_matmul, x, weight, bias, transpose=transpose)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=examples(30))
+@given(lead=lead_shapes(max_size=5), k=st.sampled_from([1, 3, 8, 13, 255, 1000]) |
+       st.integers(1, 40), transpose=st.booleans(), with_bias=st.booleans(),
+       mode=st.sampled_from(WORKSPACE_MODES), layout=st.sampled_from(ROW_STRIDED_LAYOUTS),
+       seed=seeds)
+def test_square_matmul(device, dtype, lead, k, transpose, with_bias, mode, layout, seed):
+    check_matmul(device, dtype, lead, k, seed, transpose=transpose, with_bias=with_bias,
+                 mode=mode, layout=layout)
+
+
+@pytest.mark.parametrize("mode", ["default", "none", "three_rows"])
+@pytest.mark.parametrize("k", [13, 255])
+@pytest.mark.parametrize("m", [1, 7, 1000])
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_not_a_tile_multiple(device, dtype, m, k, mode):
+    """M of no tile size, K not a multiple of 8, both layouts of W, chunked and not."""
+    for transpose in (False, True):
+        check_matmul(device, dtype, (m,), k, seed=m + k, transpose=transpose, with_bias=True,
+                     mode=mode, layout="row_padded")
+
+
+@pytest.mark.parametrize("mode", ["default", "none"])
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_k_4097(device, dtype, mode):
+    rows = 3 if device == "cpu" else 300
+    for transpose in (False, True):
+        check_matmul(device, dtype, (rows,), 4097, seed=30, transpose=transpose, with_bias=True,
+                     mode=mode)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear(device, dtype, with_bias):
+    """linear_ is F.linear for a square (out, in) weight."""
+    x = randn((2, 9, 24), dtype, device, seed=31)
+    weight = randn((24, 24), dtype, device, seed=32, scale=24**-0.5)
+    bias = randn((24,), dtype, device, seed=33) if with_bias else None
+    check_op(mti.linear_, ref_linear, x, weight, bias)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0, 5), (4, 0), (0,), (0, 0)], ids=str)
+@pytest.mark.parametrize("mode", ["default", "none"])
+def test_empty(device, shape, mode):
+    """No rows, or K = 0 (x @ a 0x0 weight is the empty result itself)."""
+    check_matmul(device, torch.float32, shape[:-1], shape[-1], seed=34, transpose=False,
+                 with_bias=True, mode=mode)
+
+
+def test_workspace_limit_api():
+    default = mti.get_workspace_limit()
+    assert default == mti.ops.DEFAULT_WORKSPACE_LIMIT == 64 << 20
+    with mti.workspace_limit(123):
+        assert mti.get_workspace_limit() == 123
+        with mti.workspace_limit(0):
+            assert mti.get_workspace_limit() == 0
+        assert mti.get_workspace_limit() == 123
+    assert mti.get_workspace_limit() == default
+    with pytest.raises(KeyError):
+        with mti.workspace_limit(7):
+            raise KeyError("the context manager restores the limit on the way out of an error")
+    assert mti.get_workspace_limit() == default
+    mti.set_workspace_limit(5)
+    try:
+        assert mti.get_workspace_limit() == 5
+    finally:
+        mti.set_workspace_limit(default)
+    with pytest.raises(ValueError, match="workspace"):
+        mti.set_workspace_limit(-1)
+    assert mti.get_workspace_limit() == default
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_workspace_mode(device):
+    """Each workspace mode on one input of many rows; none leaves the global limit changed."""
+    for mode in WORKSPACE_MODES:
+        check_matmul(device, torch.float32, (50,), 40, seed=35, transpose=True, with_bias=True,
+                     mode=mode, layout="row_padded")
+        assert mti.get_workspace_limit() == mti.ops.DEFAULT_WORKSPACE_LIMIT
