@@ -10,9 +10,9 @@
 //    sm_90+, by a cluster of up to 16 of them that reduce over distributed shared memory.
 //  - kStream: rows too long for the above: the row is read once to reduce and once more to
 //    write.
-// With col_stride 1, 16-byte aligned rows (and weight/bias) and N a multiple of 16 bytes every
-// access moves 16 bytes (VEC elements); anything else (col_stride != 1, unaligned rows, odd N)
-// runs the same paths with VEC = 1, element by element.
+// With col_stride 1, 16-byte aligned rows (and weight/bias, mask rows) and N a multiple of VEC
+// every access moves 16 bytes (VEC elements); anything else (col_stride != 1, unaligned rows,
+// odd N) runs the same paths with VEC = 1, element by element.
 //
 // Op concept (see kernels/softmax.cu and kernels/norm.cu):
 //   using State;                    reduction state, see kernels/reduce.cuh
