@@ -4,6 +4,7 @@
 // generic ADInplaceOrView fallback does not handle (it bumps returned aliases only), so this
 // kernel bumps every Tensor(a!) argument once the op has written it, in grad mode and under
 // no_grad alike. An op that raises wrote nothing and bumps nothing.
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
