@@ -19,7 +19,9 @@ def sources(*patterns):
 
 
 def make_extension():
-    cxx_flags = ["-O3", "-std=c++17"]
+    # No -std flag: torch.utils.cpp_extension passes the standard this torch was built with
+    # (C++20 for recent releases); forcing another one breaks the ABI of torch's headers.
+    cxx_flags = ["-O3"]
     common = sources("registration.cpp", "common/*.cpp", "cpu/*.cpp")
     with_cuda = torch_has_cuda() and cpp_extension.CUDA_HOME is not None
     if os.environ.get("MTI_FORCE_CPU", "0") == "1":
@@ -34,7 +36,6 @@ def make_extension():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     nvcc_flags = [
         "-O3",
-        "-std=c++17",
         "--expt-relaxed-constexpr",
         # Fast-math is safe here: the kernels use expf/rsqrtf on fp32 accumulators whose
         # approximate forms stay far inside bf16/fp16 rounding, and no kernel relies on

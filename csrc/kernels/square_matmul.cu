@@ -465,11 +465,14 @@ __device__ __forceinline__ void fma_body(const Args<T>& a) {
   __syncthreads();
   if (a.grid_sync) cg::this_grid().sync();
 
+  // Blocked summation: each k-tile is summed on its own (part) before it joins the total
+  // (acc), so rounding error grows with kBK + K / kBK rather than with K, as in a tiled GEMM.
   float acc[RM][4] = {};
   for (int t = 0; t < b.tiles; ++t) {
     if (t + 1 < b.tiles) fetch(t + 1);
     const T* wt = ws + (t & 1) * W_TILE;
     const T* xt = xs + warp * a.ldx + t % b.k_tiles * kBK;
+    float part[RM][4] = {};
 #pragma unroll 4
     for (int kk = 0; kk < kBK; ++kk) {
       float xv[RM], wv[4];
@@ -481,8 +484,12 @@ __device__ __forceinline__ void fma_body(const Args<T>& a) {
 #pragma unroll
       for (int i = 0; i < RM; ++i)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(xv[i], wv[c], acc[i][c]);
+        for (int c = 0; c < 4; ++c) part[i][c] = fmaf(xv[i], wv[c], part[i][c]);
     }
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][c] += part[i][c];
     if (t + 1 < b.tiles) store(t + 1);  // the other buffer: its readers passed the last barrier
     __syncthreads();
 
