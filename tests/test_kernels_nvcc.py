@@ -19,7 +19,7 @@ NVCC = shutil.which("nvcc") or (
 
 # setup.py's nvcc flags and its default TORCH_CUDA_ARCH_LIST "7.5;8.0;8.6;8.9;9.0+PTX": machine
 # code for each architecture plus PTX for the newest. Keep the two in step.
-NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "--use_fast_math", "-lineinfo"]
+NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
 GENCODES = [f"arch=compute_{a},code=sm_{a}" for a in ("75", "80", "86", "89", "90")] + [
     "arch=compute_90,code=compute_90"]
 

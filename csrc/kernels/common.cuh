@@ -25,6 +25,18 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// exp as accurate as the output type needs: __expf's relative error grows with |x| (about
+// |x| * 2^-22), invisible once rounded to bf16/fp16 but several times PyTorch's error in fp32,
+// where the accurate expf is used.
+template <typename T>
+__device__ __forceinline__ float exp_for(float x) {
+  return __expf(x);
+}
+template <>
+__device__ __forceinline__ float exp_for<float>(float x) {
+  return expf(x);
+}
+
 __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace mti

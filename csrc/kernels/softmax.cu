@@ -29,7 +29,8 @@ struct MaxSum {
     const float ms = shift(m);
     // _rn intrinsics: no FMA contraction, which would make the bits depend on argument order
     // (see kernels/reduce.cuh).
-    return {m, __fadd_rn(__fmul_rn(a.s, __expf(a.m - ms)), __fmul_rn(b.s, __expf(b.m - ms)))};
+    // expf, not __expf: this runs once per merge, and partial sums of fp32 rows need it.
+    return {m, __fadd_rn(__fmul_rn(a.s, expf(a.m - ms)), __fmul_rn(b.s, expf(b.m - ms)))};
   }
 
   template <class F>
@@ -122,7 +123,7 @@ struct SoftmaxOp {
     for (int k = 0; k < NV; ++k) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float e = __expf(z[k][j] - ms);
+        const float e = exp_for<T>(z[k][j] - ms);
         s += e;
         if (!log) z[k][j] = e;
       }
@@ -141,8 +142,7 @@ struct SoftmaxOp {
     Fin f;
     f.m = t.m;
     f.empty = t.m == -INFINITY && t.s == 0.f;
-    // log1pf: --use_fast_math turns logf into __logf, whose absolute error (2^-21) is large
-    // next to log(s) for s near 1, i.e. for the largest outputs of a peaked row.
+    // log1pf keeps log(s) accurate for s near 1, i.e. for the largest outputs of a peaked row.
     f.log_s = log ? log1pf(t.s - 1.f) : 0.f;
     f.inv_s = log ? 0.f : __frcp_rn(t.s);
     return f;
@@ -159,7 +159,7 @@ struct SoftmaxOp {
     // A chunk whose elements are all masked has e = 0 (or NaN); keep it 0 without computing
     // exp(-inf - m). A NaN sum still reaches every element through inv_s.
     o.factor = log || f.empty ? 0.f
-                              : (chunk.m == -INFINITY ? 0.f : __expf(chunk.m - f.m)) * f.inv_s;
+                              : (chunk.m == -INFINITY ? 0.f : exp_for<T>(chunk.m - f.m)) * f.inv_s;
     return o;
   }
 
