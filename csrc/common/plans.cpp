@@ -6,6 +6,15 @@
 #include <vector>
 
 namespace mti {
+
+std::string text(int64_t v) { return std::to_string(v); }
+
+std::string text(at::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
 namespace {
 
 void check_float_dtype(const char* op, const char* name, const at::Tensor& t) {
@@ -58,8 +67,8 @@ void check_no_internal_overlap(const char* op, const at::Tensor& x) {
   std::sort(dims.begin(), dims.end());
   int64_t span = 0;  // max offset reached by the dims seen so far
   for (const auto& [stride, size] : dims) {
-    TORCH_CHECK(stride > span, op, ": x has internally overlapping memory (stride ", stride,
-                " with size ", size, "; e.g. an expanded tensor), so it cannot be written in "
+    TORCH_CHECK(stride > span, op, ": x has internally overlapping memory (stride ", text(stride),
+                " with size ", text(size), "; e.g. an expanded tensor), so it cannot be written in "
                 "place; pass x.contiguous()");
     span += stride * (size - 1);
   }
@@ -87,8 +96,8 @@ void build_row_index(const char* op, const at::Tensor& x, int64_t lead, RowIndex
     merged.push_back({size, xs, ms});
   }
   TORCH_CHECK_VALUE(static_cast<int>(merged.size()) <= kMaxLeadDims, op,
-                    ": x's leading dims merge into ", merged.size(), " strided groups, more than ",
-                    kMaxLeadDims, " supported; pass x.contiguous()");
+                    ": x's leading dims merge into ", text(static_cast<int64_t>(merged.size())),
+                    " strided groups, more than ", text(kMaxLeadDims), " supported; pass x.contiguous()");
   std::reverse(merged.begin(), merged.end());
   index.ndim = static_cast<int>(merged.size());
   if (m_index) m_index->ndim = index.ndim;
@@ -108,26 +117,26 @@ MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, int64_t workspace_bytes) {
   const char* op = "square_matmul_";
   TORCH_CHECK_VALUE(workspace_bytes >= 0, op, ": workspace_bytes must be >= 0, got ",
-                    workspace_bytes);
+                    text(workspace_bytes));
   check_float_dtype(op, "x", x);
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dim, got a scalar");
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == weight.size(1), op,
-              ": weight must be square, got ", weight.sizes());
+              ": weight must be square, got ", text(weight.sizes()));
   check_like_x(op, "weight", x, weight);
   const int64_t k = weight.size(0);
-  TORCH_CHECK(x.size(-1) == k, op, ": x's last dim (", x.size(-1),
-              ") must equal weight's size (", k, ")");
+  TORCH_CHECK(x.size(-1) == k, op, ": x's last dim (", text(x.size(-1)),
+              ") must equal weight's size (", text(k), ")");
   if (bias) {
     check_like_x(op, "bias", x, *bias);
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == k, op, ": bias must have shape (", k,
-                ",), got ", bias->sizes());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == k, op, ": bias must have shape (", text(k),
+                ",), got ", text(bias->sizes()));
   }
   check_no_internal_overlap(op, x);
   check_no_overlap(op, "weight", x, weight);
   if (bias) check_no_overlap(op, "bias", x, *bias);
   TORCH_CHECK_VALUE(k <= 1 || x.stride(-1) == 1, op,
                     ": x's last dim must have stride 1 (rows may be strided), got stride ",
-                    x.stride(-1), "; pass x.contiguous()");
+                    text(x.stride(-1)), "; pass x.contiguous()");
 
   MatmulPlan plan;
   plan.k = k;
@@ -148,7 +157,7 @@ SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, doubl
   check_no_internal_overlap(op, x);
   TORCH_CHECK_VALUE(!causal || (ndim >= 2 && dim == ndim - 1), op,
                     ": causal=True needs x with at least 2 dims and dim=-1 (the mask covers the "
-                    "last two dims), got x of ", ndim, " dims and dim=", dim);
+                    "last two dims), got x of ", text(ndim), " dims and dim=", text(dim));
 
   SoftmaxPlan plan;
   plan.params.scale = static_cast<float>(scale);
@@ -166,8 +175,8 @@ SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, doubl
     TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == x.scalar_type(), op,
                 ": mask must be bool or x's dtype (", x.scalar_type(), "), got ",
                 m.scalar_type());
-    TORCH_CHECK(at::is_expandable_to(m.sizes(), x.sizes()), op, ": mask of shape ", m.sizes(), " does not broadcast to x's shape ",
-                x.sizes());
+    TORCH_CHECK(at::is_expandable_to(m.sizes(), x.sizes()), op, ": mask of shape ", text(m.sizes()),
+                " does not broadcast to x's shape ", text(x.sizes()));
     check_no_overlap(op, "mask", x, m);
     at::Tensor me = ndim == 0 ? m.reshape({1}) : m.expand(x.sizes()).movedim(dim, -1);
     plan.mask.kind = m.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
@@ -190,14 +199,15 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
   const int64_t k = static_cast<int64_t>(normalized_shape.size());
   TORCH_CHECK(k >= 1 && k <= x.dim() &&
                   x.sizes().slice(x.dim() - k).equals(normalized_shape),
-              op, ": normalized_shape ", normalized_shape,
-              " must be non-empty and equal the trailing dims of x, got x of shape ", x.sizes());
+              op, ": normalized_shape ", text(normalized_shape),
+              " must be non-empty and equal the trailing dims of x, got x of shape ",
+              text(x.sizes()));
   for (const auto* t : {&weight, &bias}) {
     if (!*t) continue;
     const char* name = t == &weight ? "weight" : "bias";
     check_like_x(op, name, x, **t);
     TORCH_CHECK((*t)->sizes().equals(normalized_shape), op, ": ", name, " must have shape ",
-                normalized_shape, ", got ", (*t)->sizes());
+                text(normalized_shape), ", got ", text((*t)->sizes()));
     check_no_overlap(op, name, x, **t);
   }
   check_no_internal_overlap(op, x);
@@ -209,7 +219,7 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
       if (col_stride == 0) col_stride = x.stride(d);
       TORCH_CHECK_VALUE(x.stride(d) == col_stride * n, op,
                         ": the normalized dims of x must merge into one (as in a contiguous "
-                        "tensor), got strides ", x.strides(), "; pass x.contiguous()");
+                        "tensor), got strides ", text(x.strides()), "; pass x.contiguous()");
     }
     n *= x.size(d);
   }
@@ -223,8 +233,8 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
   if (rstd.numel() > 0) {
     TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() &&
                     rstd.numel() == plan.x.rows && rstd.device() == x.device(),
-                op, ": rstd must be a contiguous float32 tensor of ", plan.x.rows,
-                " elements on x's device, got ", rstd.scalar_type(), " of ", rstd.numel());
+                op, ": rstd must be a contiguous float32 tensor of ", text(plan.x.rows),
+                " elements on x's device, got ", rstd.scalar_type(), " of ", text(rstd.numel()));
     check_no_overlap(op, "rstd", x, rstd);
     plan.save_rstd = true;
   }

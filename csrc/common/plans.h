@@ -9,10 +9,18 @@
 
 #include <functional>
 #include <optional>
+#include <string>
 
 #include "kernels/row_layout.h"
 
 namespace mti {
+
+// Integers and shapes as text for error messages. TORCH_CHECK would stream them through
+// std::ostream's integer insertion, which crashes inside extensions built against some torch
+// wheels (seen with torch 2.11 and GCC 13: a segfault in ostream::_M_insert<long> while
+// formatting the message), so the messages pass text only.
+std::string text(int64_t v);
+std::string text(at::IntArrayRef shape);
 
 struct MatmulPlan {
   RowLayout x;     // rows of K elements, col_stride == 1

@@ -25,10 +25,10 @@ void run_zero_workspace(const at::Tensor& x, const MatmulPlan& plan, bool transp
   using T = typename DeviceType<scalar_t>::type;
   int64_t max_k = 0;
   C10_CUDA_CHECK(square_matmul_zero_ws_max_k<T>(&max_k));
-  TORCH_CHECK(plan.k <= max_k, "square_matmul_: K=", plan.k,
-              " is too large for the zero-workspace kernel (max ", max_k, " for ",
+  TORCH_CHECK(plan.k <= max_k, "square_matmul_: K=", text(plan.k),
+              " is too large for the zero-workspace kernel (max ", text(max_k), " for ",
               x.scalar_type(), " on this GPU), which is used because ", why,
-              "; allow a workspace of at least one row (", plan.k * x.element_size(), " bytes)");
+              "; allow a workspace of at least one row (", text(plan.k * x.element_size()), " bytes)");
   C10_CUDA_CHECK(square_matmul_zero_ws<T>(
       device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
       plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, transpose, stream));
