@@ -283,7 +283,7 @@ def bench_group(spec, dtype, n, args, device, compiled, clone_cache, records) ->
             print(f"  liger unavailable for {spec.key} {dtype} N={n}: {type(e).__name__}: {e}")
     base = {
         "bench": "rowwise",
-        "op": spec.op,
+        "op": spec.op + "_",  # the in-place op's name, e.g. "softmax_"
         "variant": spec.variant,
         "dtype": str(dtype).removeprefix("torch."),
         "M": numel // n,
@@ -378,7 +378,7 @@ def plots(records: list[dict], out_dir: Path) -> list[Path]:
         panels: dict[tuple, dict[str, list]] = {}
         for r in records:
             if r["pass"] == pass_:
-                title = r["op"] if r["variant"] == "plain" else f"{r['op']} ({r['variant']})"
+                title = r["op"].rstrip("_") if r["variant"] == "plain" else f"{r['op']} ({r['variant']})"
                 panel = panels.setdefault((title, r["dtype"]), {})
                 panel.setdefault(r["impl"], []).append((r["N"], r["tb_s"]))
         path = out_dir / f"rowwise_{pass_}.png"

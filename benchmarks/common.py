@@ -70,7 +70,8 @@ def _git_commit() -> str:
             ":(exclude)benchmarks/results",
         )
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        # A copy of the tree without .git (e.g. shipped to a GPU machine) names its commit here.
+        return os.environ.get("MTI_COMMIT", "unknown")
     return commit + ("+dirty" if dirty else "")
 
 
