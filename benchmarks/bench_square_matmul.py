@@ -56,7 +56,9 @@ BIAS_SCALE = 0.01
 def orthogonal(n: int, device) -> torch.Tensor:
     """A random orthogonal (n, n) float32 matrix: x @ W keeps the norms of x's rows."""
     q, r = torch.linalg.qr(torch.randn(n, n, device=device, dtype=torch.float32))
-    return q * torch.sign(torch.diagonal(r))  # Haar-distributed
+    # Haar-distributed. contiguous(): QR returns column-major q, and a model's weights are
+    # row-major (the op would otherwise time a flipped transpose).
+    return (q * torch.sign(torch.diagonal(r))).contiguous()
 
 
 def measure(fn, timing: dict, device) -> tuple[float, int]:

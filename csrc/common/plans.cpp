@@ -114,7 +114,8 @@ void build_row_index(const char* op, const at::Tensor& x, int64_t lead, RowIndex
 }  // namespace
 
 MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& bias, int64_t workspace_bytes) {
+                              const std::optional<at::Tensor>& bias, bool transpose,
+                              int64_t workspace_bytes) {
   const char* op = "square_matmul_";
   TORCH_CHECK_VALUE(workspace_bytes >= 0, op, ": workspace_bytes must be >= 0, got ",
                     text(workspace_bytes));
@@ -144,7 +145,15 @@ MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
   plan.x.rows = k == 0 ? 0 : x.numel() / k;
   plan.x.col_stride = 1;
   build_row_index(op, x, x.dim() - 1, plan.x.row, nullptr, nullptr);
-  plan.weight = weight.contiguous();
+  // A column-major weight (e.g. W.T of a contiguous W) is the transpose of a contiguous one:
+  // flip the flag rather than copy K x K elements.
+  plan.transpose = transpose;
+  if (!weight.is_contiguous() && weight.t().is_contiguous()) {
+    plan.weight = weight.t();
+    plan.transpose = !transpose;
+  } else {
+    plan.weight = weight.contiguous();
+  }
   if (bias) plan.bias = bias->contiguous();
   return plan;
 }
@@ -242,7 +251,7 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
 }
 
 const char* square_matmul_with_workspace(const at::Tensor& x, const MatmulPlan& plan,
-                                         bool transpose, int64_t workspace_bytes) {
+                                         int64_t workspace_bytes) {
   const int64_t k = plan.k;
   const int64_t chunk = std::min(plan.x.rows, workspace_bytes / (k * x.element_size()));
   if (chunk < 1) return "workspace_bytes is smaller than one row";
@@ -254,7 +263,7 @@ const char* square_matmul_with_workspace(const at::Tensor& x, const MatmulPlan& 
   } catch (const c10::OutOfMemoryError&) {
     return "the workspace could not be allocated";
   }
-  const at::Tensor wv = transpose ? plan.weight.t() : plan.weight;
+  const at::Tensor wv = plan.transpose ? plan.weight.t() : plan.weight;
   for_each_matrix(plan.x, [&](int64_t offset, int64_t block_rows, int64_t ld) {
     for (int64_t r0 = 0; r0 < block_rows; r0 += chunk) {
       const int64_t r = std::min(chunk, block_rows - r0);

@@ -26,6 +26,7 @@ struct MatmulPlan {
   RowLayout x;     // rows of K elements, col_stride == 1
   int64_t k = 0;
   at::Tensor weight;  // (K, K), contiguous
+  bool transpose = false;  // use weight.T: the caller's flag, flipped for a column-major weight
   std::optional<at::Tensor> bias;  // (K,), contiguous
 };
 
@@ -44,7 +45,8 @@ struct NormPlan {
 };
 
 MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& bias, int64_t workspace_bytes);
+                              const std::optional<at::Tensor>& bias, bool transpose,
+                              int64_t workspace_bytes);
 
 // The default square_matmul_ path, the same on every device: chunks of rows through ATen's
 // GEMM (cuBLAS/cuBLASLt on CUDA, bias fused as addmm's epilogue) into one workspace of at most
@@ -52,7 +54,7 @@ MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
 // written nothing, the reason it cannot run (less than one row fits, or the allocation
 // failed), so the backend can use its zero-workspace kernel instead.
 const char* square_matmul_with_workspace(const at::Tensor& x, const MatmulPlan& plan,
-                                         bool transpose, int64_t workspace_bytes);
+                                         int64_t workspace_bytes);
 
 SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, double scale,
                          const std::optional<at::Tensor>& mask, bool causal, bool log);

@@ -46,13 +46,13 @@ void matmul_rows_no_workspace(scalar_t* x, const RowLayout& L, const scalar_t* w
 void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias, bool transpose,
                     int64_t workspace_bytes) {
-  const MatmulPlan plan = plan_square_matmul(x, weight, bias, workspace_bytes);
+  const MatmulPlan plan = plan_square_matmul(x, weight, bias, transpose, workspace_bytes);
   if (plan.x.rows == 0) return;  // also K == 0
-  if (square_matmul_with_workspace(x, plan, transpose, workspace_bytes) == nullptr) return;
+  if (square_matmul_with_workspace(x, plan, workspace_bytes) == nullptr) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "square_matmul_", [&] {
     matmul_rows_no_workspace<scalar_t>(
         x.data_ptr<scalar_t>(), plan.x, plan.weight.const_data_ptr<scalar_t>(),
-        plan.bias ? plan.bias->const_data_ptr<scalar_t>() : nullptr, transpose);
+        plan.bias ? plan.bias->const_data_ptr<scalar_t>() : nullptr, plan.transpose);
   });
 }
 

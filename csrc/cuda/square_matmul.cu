@@ -20,8 +20,8 @@ namespace {
 // x <- x @ Wv (+ bias) by the zero-workspace kernel. Raises before writing anything when K
 // is beyond the kernel's shared memory; `why` says why no workspace is used.
 template <typename scalar_t>
-void run_zero_workspace(const at::Tensor& x, const MatmulPlan& plan, bool transpose,
-                        cudaStream_t stream, const char* why) {
+void run_zero_workspace(const at::Tensor& x, const MatmulPlan& plan, cudaStream_t stream,
+                        const char* why) {
   using T = typename DeviceType<scalar_t>::type;
   int64_t max_k = 0;
   C10_CUDA_CHECK(square_matmul_zero_ws_max_k<T>(&max_k));
@@ -31,7 +31,7 @@ void run_zero_workspace(const at::Tensor& x, const MatmulPlan& plan, bool transp
               "; allow a workspace of at least one row (", text(plan.k * x.element_size()), " bytes)");
   C10_CUDA_CHECK(square_matmul_zero_ws<T>(
       device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
-      plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, transpose, stream));
+      plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose, stream));
 }
 
 }  // namespace
@@ -39,15 +39,15 @@ void run_zero_workspace(const at::Tensor& x, const MatmulPlan& plan, bool transp
 void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias, bool transpose,
                     int64_t workspace_bytes) {
-  const MatmulPlan plan = plan_square_matmul(x, weight, bias, workspace_bytes);
+  const MatmulPlan plan = plan_square_matmul(x, weight, bias, transpose, workspace_bytes);
   if (plan.x.rows == 0) return;  // also K == 0
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // The dispatch also refuses float64 (which the plan accepts for the CPU's gradcheck) on
   // every path, before anything is written.
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
-    if (const char* why = square_matmul_with_workspace(x, plan, transpose, workspace_bytes))
-      run_zero_workspace<scalar_t>(x, plan, transpose, stream, why);
+    if (const char* why = square_matmul_with_workspace(x, plan, workspace_bytes))
+      run_zero_workspace<scalar_t>(x, plan, stream, why);
   });
 }
 
