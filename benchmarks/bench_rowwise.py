@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import make_torch_inplace as mti  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    cuda_missing,
     env_info,
     fmt_bytes,
     markdown_table,
@@ -428,9 +429,7 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench_rowwise needs CUDA; no GPU here, nothing measured "
-              "(--device cpu runs the code paths on the CPU)")
+    if cuda_missing("bench_rowwise", args.device):
         return 0
     device = torch.device(args.device)
     torch.manual_seed(0)

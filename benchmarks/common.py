@@ -319,3 +319,13 @@ def plot_grid(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def cuda_missing(script: str, device: str) -> bool:
+    """True, after saying so, when a CUDA run was asked for on a machine without a GPU: the
+    benchmark then measures nothing and exits 0 (CI machines have no GPU)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"{script} needs CUDA; no GPU here, nothing measured "
+              "(--device cpu runs the code paths on the CPU)")
+        return True
+    return False
