@@ -26,7 +26,14 @@ def _adopt(new: nn.Module, old: nn.Module) -> nn.Module:
     return new
 
 
-class InplaceLinear(nn.Linear):
+class _SaysInplace:
+    """Mixin: the module's repr says that it works in place."""
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, inplace=True"
+
+
+class InplaceLinear(_SaysInplace, nn.Linear):
     """nn.Linear with a square weight whose forward overwrites its input: x <- x @ W.T + b.
 
     The weight must not require grad while autograd records (its gradient needs the input,
@@ -59,11 +66,8 @@ class InplaceLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return ops.linear_(input, self.weight, self.bias)
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, inplace=True"
 
-
-class InplaceSoftmax(nn.Softmax):
+class InplaceSoftmax(_SaysInplace, nn.Softmax):
     """nn.Softmax whose forward overwrites its input. dim must be given (no implicit dim)."""
 
     def __init__(self, dim: int) -> None:
@@ -78,11 +82,8 @@ class InplaceSoftmax(nn.Softmax):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return ops.softmax_(input, self.dim)
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, inplace=True"
 
-
-class InplaceLayerNorm(nn.LayerNorm):
+class InplaceLayerNorm(_SaysInplace, nn.LayerNorm):
     """nn.LayerNorm whose forward overwrites its input."""
 
     @classmethod
@@ -100,11 +101,8 @@ class InplaceLayerNorm(nn.LayerNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return ops.layer_norm_(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, inplace=True"
 
-
-class InplaceRMSNorm(nn.RMSNorm):
+class InplaceRMSNorm(_SaysInplace, nn.RMSNorm):
     """nn.RMSNorm whose forward overwrites its input (eps=None: torch.finfo(x.dtype).eps)."""
 
     @classmethod
@@ -120,6 +118,3 @@ class InplaceRMSNorm(nn.RMSNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm_(input, self.normalized_shape, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, inplace=True"

@@ -50,15 +50,20 @@ void softmax_rows(scalar_t* x, const RowLayout& L, const mask_t* mask, const Mas
         for (int64_t j = 0; j < L.n; ++j) row[j * L.col_stride] = scalar_t(0);
         continue;
       }
+      // softmax keeps each exp in z, so the write pass multiplies instead of exponentiating
+      // again; log_softmax needs z itself.
       double sum = 0;
-      for (int64_t j = 0; j < L.n; ++j) sum += std::exp(z[j] - mx);
+      for (int64_t j = 0; j < L.n; ++j) {
+        const acc_t e = std::exp(z[j] - mx);
+        sum += e;
+        if (!p.log) z[j] = e;
+      }
       if (p.log) {
         const acc_t shift = static_cast<acc_t>(mx + std::log(sum));
         for (int64_t j = 0; j < L.n; ++j) row[j * L.col_stride] = scalar_t(z[j] - shift);
       } else {
         const acc_t inv = static_cast<acc_t>(1.0 / sum);
-        for (int64_t j = 0; j < L.n; ++j)
-          row[j * L.col_stride] = scalar_t(std::exp(z[j] - mx) * inv);
+        for (int64_t j = 0; j < L.n; ++j) row[j * L.col_stride] = scalar_t(z[j] * inv);
       }
     }
   });
