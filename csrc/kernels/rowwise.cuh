@@ -57,6 +57,11 @@ constexpr int kVec = 16 / static_cast<int>(sizeof(T));
 // other reduces or writes. A CTA holds kMaxThreads * kCtaRegs = 16384 values, a cluster of 16
 // CTAs 262144.
 constexpr int kWarpRegs = 32;
+// A CTA per row of a staged op (see row_kernel) in 16-bit: each thread holds 64 values, twice
+// the bytes per thread kWarpRegs would give; on an H100 that took 16-bit softmax at N = 8192
+// from ~1.9 to ~2.2 TB/s.
+template <class Op, typename T>
+constexpr int kCtaRowRegs = Op::kStage && sizeof(T) == 2 ? 64 : kWarpRegs;
 constexpr int kCtaRegs = 64;
 // Values per thread and step when streaming: fewer keep the two-pass kernel clear of spills.
 constexpr int kStreamRegs = 16;
@@ -64,13 +69,36 @@ constexpr int kStreamRegs = 16;
 constexpr int kScalarNV = 8;
 // CTA size when several rows share a CTA (one row per group of <= 32 lanes).
 constexpr int kSmallRowThreads = 128;
-// Upper bound on resident CTAs per SM (2048 threads / kSmallRowThreads); grids are capped at
-// this many CTAs per SM and stride over the rows.
-constexpr int kCtasPerSm = 16;
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Packed {
   T v[N];
+};
+
+// Folds get(0), ..., get(COUNT - 1) with the associative `op` into up to 8 independent
+// partials, then folds those pairwise: a chain of COUNT dependent operations would leave the
+// warp waiting on each one's latency. COUNT is a power of two (NV * VEC).
+template <int COUNT, class Get, class Op>
+__device__ __forceinline__ float fold(Get get, Op op) {
+  static_assert(COUNT > 0 && (COUNT & (COUNT - 1)) == 0, "COUNT must be a power of two");
+  constexpr int kPartials = COUNT < 8 ? COUNT : 8;
+  float acc[kPartials];
+#pragma unroll
+  for (int i = 0; i < kPartials; ++i) acc[i] = get(i);
+#pragma unroll
+  for (int i = kPartials; i < COUNT; ++i) acc[i % kPartials] = op(acc[i % kPartials], get(i));
+#pragma unroll
+  for (int w = kPartials / 2; w > 0; w /= 2)
+#pragma unroll
+    for (int i = 0; i < w; ++i) acc[i] = op(acc[i], acc[i + w]);
+  return acc[0];
+}
+
+struct Add {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct Max {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 
 // The Aux of an op that reads nothing but x.
@@ -121,6 +149,43 @@ struct StepCursor {
   }
 };
 
+// Where read_vectors() gets x's vectors from: global memory, or the copy of them that
+// stage_step() prefetched into shared memory.
+template <int VEC, typename T>
+struct GlobalVectors {
+  const T* row;
+  int64_t col_stride;
+  template <typename Col>
+  __device__ __forceinline__ Packed<T, VEC> operator()(int, Col c0) const {
+    return load_vec<VEC>(row, c0, col_stride);
+  }
+};
+
+// A thread's staged vectors: vector k of its step sits at slots[k * stride]. With the
+// threads of a CTA side by side (stride = blockDim.x), a warp reads 512 contiguous bytes.
+template <int VEC, typename T>
+struct StagedVectors {
+  const Packed<T, VEC>* slots;
+  int stride;
+  template <typename Col>
+  __device__ __forceinline__ Packed<T, VEC> operator()(int k, Col) const {
+    return slots[k * stride];
+  }
+};
+
+// Starts copying this thread's vectors of one step that begin before `load_end` into its
+// slots (the layout of StagedVectors) in the background: one cp.async commit group.
+template <int NV, int VEC, typename T, typename Col, int kStride>
+__device__ __forceinline__ void stage_step(Packed<T, VEC>* slots, int stride, const T* row,
+                                           const StepCursor<Col, kStride>& at, Col load_end) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const Col c0 = at.col(k, VEC);
+    if (c0 < load_end) copy16(&slots[k * stride], row + c0, true);
+  }
+  cp_async_commit();
+}
+
 // Side inputs (masks) are read and applied in batches of at most kAuxBatchBytes, after all of
 // x's loads are issued: reading a float mask all up front too would hold two copies of the
 // step in registers.
@@ -131,20 +196,19 @@ constexpr int kAuxBatchBytes = 64;
 // `load_end` on are replaced by kPad. kFull: every vector lies before `load_end` (<= `end`),
 // so the accesses are unconditional and every element is a column of the row. All of x's
 // loads are issued before any value is used.
-template <bool kFull, int NV, int VEC, class Op, typename T, typename Col, int kStride>
+template <bool kFull, int NV, int VEC, class Op, class Src, typename Col, int kStride>
 __device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], const Op& op,
-                                                           const T* row,
+                                                           const Src& src,
                                                            const typename Op::Row& rc,
                                                            const StepCursor<Col, kStride>& at,
-                                                           int64_t col_stride, Col load_end,
-                                                           Col end) {
-  Packed<T, VEC> raw[NV] = {};
+                                                           Col load_end, Col end) {
+  decltype(src(0, Col{})) raw[NV] = {};
   int cnt[NV];
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const Col c0 = at.col(k, VEC);
     cnt[k] = kFull ? VEC : count_before<VEC>(load_end, c0);
-    if (cnt[k] > 0) raw[k] = load_vec<VEC>(row, c0, col_stride);
+    if (cnt[k] > 0) raw[k] = src(k, c0);
   }
   using Aux = typename Op::template Aux<VEC>;
   constexpr int kMaxBatch = kAuxBatchBytes / sizeof(Aux) > 0 ? kAuxBatchBytes / sizeof(Aux) : 1;
@@ -169,16 +233,15 @@ __device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], 
   return op.local(z, [&](int k, int j) { return kFull || j < in_row[k]; });
 }
 
-template <int NV, int VEC, class Op, typename T, typename Col, int kStride>
+template <int NV, int VEC, class Op, class Src, typename Col, int kStride>
 __device__ __forceinline__ typename Op::State read_step(float (&z)[NV][VEC], const Op& op,
-                                                        const T* row,
+                                                        const Src& src,
                                                         const typename Op::Row& rc,
                                                         const StepCursor<Col, kStride>& at,
-                                                        int64_t col_stride, Col load_end,
-                                                        Col end) {
+                                                        Col load_end, Col end) {
   if (at.col(NV - 1, VEC) + VEC <= load_end)
-    return read_vectors<true>(z, op, row, rc, at, col_stride, load_end, end);
-  return read_vectors<false>(z, op, row, rc, at, col_stride, load_end, end);
+    return read_vectors<true>(z, op, src, rc, at, load_end, end);
+  return read_vectors<false>(z, op, src, rc, at, load_end, end);
 }
 
 // Turns one step of z into outputs and stores the vectors that start before `end` (and so lie
@@ -211,6 +274,12 @@ __device__ __forceinline__ void write_step(float (&z)[NV][VEC], const Op& op,
 
 enum class RowPath { kResident, kCluster, kStream };
 
+// Whether a path prefetches rows into shared memory (see row_kernel).
+template <class Op>
+__host__ __device__ constexpr bool staged_path(RowPath path, int vec) {
+  return Op::kStage && path != RowPath::kStream && vec > 1;
+}
+
 // One kernel for every path. kResident and kStream: a row belongs to a group of `tpr`
 // threads; tpr <= 32 is a group of lanes (blockDim.x / tpr rows per CTA), tpr > 32 means
 // tpr == blockDim.x and the row belongs to the CTA. Thread t of the group owns the row's
@@ -220,18 +289,30 @@ enum class RowPath { kResident, kCluster, kStream };
 // reads 32 neighbouring vectors at a time. A step is NV vectors per thread: resident rows
 // are one step, streamed rows loop over steps twice. The grid strides over rows (groups of
 // rows, clusters).
+//
+// kStaged (ops with Op::kStage, resident and cluster rows read by vectors): while a row is
+// reduced and written, the thread's vectors of its next row are already on their way into
+// shared memory (cp.async, staged_bytes() of dynamic shared memory: NV vectors per thread).
+// Without it the loads of a row start only once the previous row is written, and the memory
+// system idles through every reduction; that costs most where the arithmetic per byte is
+// highest (16-bit softmax).
 template <class Op, typename T, int VEC, int NV, RowPath kPath>
 __global__ void __launch_bounds__(kMaxThreads, 2)
     row_kernel(T* __restrict__ x, const RowLayout layout, const Op op, const int tpr,
                const int cluster) {
   using State = typename Op::State;
+  using Vec = Packed<T, VEC>;
   constexpr bool kStream = kPath == RowPath::kStream;
+  constexpr bool kStaged = staged_path<Op>(kPath, VEC);
   constexpr int kStride = kPath == RowPath::kCluster ? kMaxThreads : 0;
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
   using Cursor = StepCursor<Col, kStride>;
   __shared__ State warp_totals[2][kMaxWarps];
   __shared__ ClusterExchange<State> exchange;
+  // One name and type for every instantiation's dynamic shared memory, as CUDA requires.
+  extern __shared__ __align__(16) unsigned char dynamic_smem[];
+  Vec* const staged = reinterpret_cast<Vec*>(dynamic_smem);
 
   const bool cta_rows = kPath == RowPath::kCluster || tpr > kWarpSize;
   const int rank = static_cast<int>(blockIdx.x) % cluster;
@@ -242,24 +323,42 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   const int sub_row = cta_rows ? 0 : static_cast<int>(threadIdx.x) / tpr;
   const int64_t col_stride = VEC == 1 ? layout.col_stride : 1;
   const int64_t row_groups = ceil_div(layout.rows, rows_per_cta);
+  const int64_t group_stride = gridDim.x / cluster;
+  const StagedVectors<VEC, T> mine_staged{staged + threadIdx.x, static_cast<int>(blockDim.x)};
+
+  // Stages this thread's part of group g's row, if it has one; returns the row's context.
+  auto stage_row = [&](int64_t g) {
+    typename Op::Row rc{};
+    const int64_t r = g * rows_per_cta + sub_row;
+    if (g < row_groups && r < layout.rows) {
+      const T* row = x + layout.row.offset(r);
+      rc = op.row(r, row);
+      stage_step<NV>(staged + threadIdx.x, static_cast<int>(blockDim.x), row,
+                     Cursor{t, lane_group}, static_cast<Col>(rc.load_end));
+    }
+    return rc;
+  };
 
   if (cluster > 1) {
     cluster_exchange_init(exchange);
     cluster_sync();
   }
+  typename Op::Row staged_rc{};
+  if constexpr (kStaged) staged_rc = stage_row(blockIdx.x / cluster);
   unsigned rows_done = 0;  // by this thread: picks the reduction buffers
-  for (int64_t g = blockIdx.x / cluster; g < row_groups; g += gridDim.x / cluster) {
+  for (int64_t g = blockIdx.x / cluster; g < row_groups; g += group_stride) {
     const int64_t r = g * rows_per_cta + sub_row;
     const bool active = r < layout.rows;
     T* row = x;
     typename Op::Row rc{};
     if (active) {
       row += layout.row.offset(r);
-      rc = op.row(r, row);
+      rc = kStaged ? staged_rc : op.row(r, row);
     }
     // Inactive threads (past the last row) take part in the reductions with empty chunks.
     const Col load_end = active ? static_cast<Col>(rc.load_end) : 0;
     const Col end = active ? static_cast<Col>(layout.n) : 0;
+    const GlobalVectors<VEC, T> from_global{row, col_stride};
 
     float z[NV][VEC];
     State mine;
@@ -268,12 +367,18 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
       mine = State::identity();
       const Col steps = ceil_div(ceil_div(load_end, VEC), step_vecs);
       for (Col s = 0; s < steps; ++s) {
-        const State chunk = read_step(z, op, row, rc, Cursor{s * step_vecs + t, lane_group},
-                                      col_stride, load_end, end);
+        const State chunk = read_step(z, op, from_global, rc,
+                                      Cursor{s * step_vecs + t, lane_group}, load_end, end);
         mine = s == 0 ? chunk : State::combine(mine, chunk);
       }
+    } else if constexpr (kStaged) {
+      cp_async_wait<0>();
+      mine = read_step(z, op, mine_staged, rc, Cursor{t, lane_group}, load_end, end);
+      // `mine` depends on every staged value, so they are all in registers: the slots can
+      // take the next row. Each thread reads only the slots it filled itself, so no barrier.
+      staged_rc = stage_row(g + group_stride);
     } else {
-      mine = read_step(z, op, row, rc, Cursor{t, lane_group}, col_stride, load_end, end);
+      mine = read_step(z, op, from_global, rc, Cursor{t, lane_group}, load_end, end);
     }
 
     State total = warp_allreduce(mine, cta_rows ? kWarpSize : tpr);
@@ -288,7 +393,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
       const Col steps = ceil_div(ceil_div(end, VEC), step_vecs);
       for (Col s = 0; s < steps; ++s) {
         const Cursor at{s * step_vecs + t, lane_group};
-        const State chunk = read_step(z, op, row, rc, at, col_stride, load_end, end);
+        const State chunk = read_step(z, op, from_global, rc, at, load_end, end);
         write_step(z, op, op.out(fin, chunk), row, at, col_stride, end);
       }
     } else {
@@ -334,29 +439,51 @@ inline cudaError_t current_device(int* device, DeviceInfo* info) {
   return cudaSuccess;
 }
 
-// Whether clusters of `cluster` CTAs of kMaxThreads threads of this kernel can be resident on
-// the current device. Needs the kernel compiled for sm_90+ (a build without sm_90 code runs
-// older machine code on an H100, and that code has no cluster reduction). Failed queries
-// count as "no"; their error is cleared so that it does not surface as a launch error.
-template <class Op, typename T, int VEC, int NV>
-bool cluster_fits(int device, int cluster) {
-  static std::atomic<int> verdicts[kMaxDevices][5];  // by log2(cluster): 0 unknown, 1 yes, 2 no
+// Dynamic shared memory of a launch of row_kernel: the staged vectors.
+template <class Op, typename T, int VEC, int NV, RowPath kPath>
+constexpr size_t staged_bytes(int threads) {
+  return staged_path<Op>(kPath, VEC) ? size_t{NV} * threads * sizeof(Packed<T, VEC>) : 0;
+}
+
+// How many CTAs (clusters of `cluster` CTAs when cluster > 1) of `threads` threads of this
+// kernel can be resident on the current device at once; 0 if none can. Clusters need the
+// kernel compiled for sm_90+ (a build without sm_90 code runs older machine code on an H100,
+// and that code has no cluster reduction). Also lifts the kernel's dynamic shared memory
+// limit past the default 48 KiB where the staged vectors need it. Queried once per device,
+// CTA size and cluster size; failed queries count as "none" and their error is cleared so
+// that it does not surface as a launch error.
+template <class Op, typename T, int VEC, int NV, RowPath kPath>
+int resident_units(int device, int threads, int cluster, int sm_count) {
+  // By device, threads / 32, log2(cluster): the answer + 1; 0 = not queried yet.
+  static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1][5];
   int log2c = 0;
   while ((2 << log2c) <= cluster) ++log2c;
-  std::atomic<int>* cache = device < kMaxDevices ? &verdicts[device][log2c] : nullptr;
-  if (cache != nullptr && cache->load(std::memory_order_relaxed) != 0)
-    return cache->load(std::memory_order_relaxed) == 1;
+  std::atomic<int>* slot =
+      device < kMaxDevices ? &cache[device][threads / kWarpSize][log2c] : nullptr;
+  if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
+    return slot->load(std::memory_order_relaxed) - 1;
 
-  auto kernel = row_kernel<Op, T, VEC, NV, RowPath::kCluster>;
-  bool fits = false;
+  auto kernel = row_kernel<Op, T, VEC, NV, kPath>;
+  const size_t smem = staged_bytes<Op, T, VEC, NV, kPath>(threads);
+  int units = 0;
   cudaFuncAttributes attr;
-  if (cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.ptxVersion >= 90 &&
-      (cluster <= 8 ||
-       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-           cudaSuccess)) {
+  bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
+            (smem <= 48 * 1024 ||
+             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(smem)) == cudaSuccess);
+  if (ok && cluster == 1) {
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) ==
+        cudaSuccess)
+      units = per_sm * sm_count;
+  } else if (ok && attr.ptxVersion >= 90 &&
+             (cluster <= 8 ||
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+                  cudaSuccess)) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(cluster);
-    config.blockDim = dim3(kMaxThreads);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
     cudaLaunchAttribute dims;
     dims.id = cudaLaunchAttributeClusterDimension;
     dims.val.clusterDim.x = cluster;
@@ -364,23 +491,26 @@ bool cluster_fits(int device, int cluster) {
     dims.val.clusterDim.z = 1;
     config.attrs = &dims;
     config.numAttrs = 1;
-    int active = 0;
-    fits = cudaOccupancyMaxActiveClusters(&active, kernel, &config) == cudaSuccess && active > 0;
+    if (cudaOccupancyMaxActiveClusters(&units, kernel, &config) != cudaSuccess) units = 0;
   }
   cudaGetLastError();
-  if (cache != nullptr) cache->store(fits ? 1 : 2, std::memory_order_relaxed);
-  return fits;
+  if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
+  return units;
 }
 
+// Launches a grid of at most as many CTAs (clusters) as can be resident at once: each
+// strides over the rows, so that it stages its next row while working on the current one.
 template <class Op, typename T, int VEC, int NV, RowPath kPath>
 cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int threads, int tpr,
-                              int cluster, int sm_count, cudaStream_t stream) {
+                              int cluster, int device, int sm_count, cudaStream_t stream) {
   const int64_t rows_per_cta = tpr > kWarpSize ? 1 : threads / tpr;
   const int64_t row_groups = ceil_div(layout.rows, rows_per_cta);
-  const int64_t max_groups = std::max<int64_t>(1, int64_t{sm_count} * kCtasPerSm / cluster);
+  const int units = resident_units<Op, T, VEC, NV, kPath>(device, threads, cluster, sm_count);
+  const int64_t max_groups = std::max(units, sm_count / cluster);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(std::min(row_groups, max_groups) * cluster));
   config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = staged_bytes<Op, T, VEC, NV, kPath>(threads);
   config.stream = stream;
   cudaLaunchAttribute dims;
   dims.id = cudaLaunchAttributeClusterDimension;
@@ -432,16 +562,16 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   if (!aligned || n % kVec<T> != 0) {
     if (n <= kWarpSize * kScalarNV) {
       const int tpr = static_cast<int>(next_pow2(ceil_div(n, kScalarNV)));
-      return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kResident>(x, layout, op, kSmallRowThreads, tpr,
-                                                          1, dev.sm_count, stream);
+      return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kResident>(
+          x, layout, op, kSmallRowThreads, tpr, 1, device, dev.sm_count, stream);
     }
     if (n <= int64_t{kMaxThreads} * kScalarNV) {
       const int threads = static_cast<int>(round_up(ceil_div(n, kScalarNV), kWarpSize));
-      return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kResident>(x, layout, op, threads, threads, 1,
-                                                          dev.sm_count, stream);
+      return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kResident>(
+          x, layout, op, threads, threads, 1, device, dev.sm_count, stream);
     }
-    return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kStream>(x, layout, op, kMaxThreads,
-                                                         kMaxThreads, 1, dev.sm_count, stream);
+    return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kStream>(
+        x, layout, op, kMaxThreads, kMaxThreads, 1, device, dev.sm_count, stream);
   }
 
   constexpr int VEC = kVec<T>;
@@ -455,7 +585,7 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
     const int64_t nv = next_pow2(ceil_div(vecs, tpr));
     auto launch = [&](auto nv_const) {
       return launch_row_kernel<Op, T, VEC, decltype(nv_const)::value, RowPath::kResident>(
-          x, layout, op, kSmallRowThreads, tpr, 1, dev.sm_count, stream);
+          x, layout, op, kSmallRowThreads, tpr, 1, device, dev.sm_count, stream);
     };
     switch (nv) {
       case 1: return launch(std::integral_constant<int, 1>{});
@@ -464,10 +594,11 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
       default: return launch(std::integral_constant<int, kWarpNV>{});
     }
   }
-  if (vecs <= int64_t{kMaxThreads} * kWarpNV) {  // a CTA per row, as many threads as it takes
-    const int threads = static_cast<int>(round_up(ceil_div(vecs, kWarpNV), kWarpSize));
-    return launch_row_kernel<Op, T, VEC, kWarpNV, RowPath::kResident>(x, layout, op, threads, threads, 1,
-                                                        dev.sm_count, stream);
+  constexpr int kCtaRowNV = kCtaRowRegs<Op, T> / VEC;
+  if (vecs <= int64_t{kMaxThreads} * kCtaRowNV) {  // a CTA per row, as many threads as it takes
+    const int threads = static_cast<int>(round_up(ceil_div(vecs, kCtaRowNV), kWarpSize));
+    return launch_row_kernel<Op, T, VEC, kCtaRowNV, RowPath::kResident>(
+        x, layout, op, threads, threads, 1, device, dev.sm_count, stream);
   }
   // A CTA, or on sm_90+ a cluster of up to kMaxCluster CTAs, per row, kCtaNV vectors per
   // thread; streamed when no cluster holds it.
@@ -475,12 +606,14 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   int cluster = 1;
   while (cluster <= kMaxCluster && vecs > cluster * cta_vecs) cluster *= 2;
   if (cluster > kMaxCluster ||
-      (cluster > 1 && !(dev.cluster_launch && cluster_fits<Op, T, VEC, kCtaNV>(device, cluster)))) {
+      (cluster > 1 &&
+       !(dev.cluster_launch && resident_units<Op, T, VEC, kCtaNV, RowPath::kCluster>(
+                                   device, kMaxThreads, cluster, dev.sm_count) > 0))) {
     return launch_row_kernel<Op, T, VEC, kStreamRegs / VEC, RowPath::kStream>(
-        x, layout, op, kMaxThreads, kMaxThreads, 1, dev.sm_count, stream);
+        x, layout, op, kMaxThreads, kMaxThreads, 1, device, dev.sm_count, stream);
   }
   return launch_row_kernel<Op, T, VEC, kCtaNV, RowPath::kCluster>(
-      x, layout, op, kMaxThreads, kMaxThreads, cluster, dev.sm_count, stream);
+      x, layout, op, kMaxThreads, kMaxThreads, cluster, device, dev.sm_count, stream);
 }
 
 }  // namespace mti

@@ -24,13 +24,18 @@ struct MaxSum {
   // exp(-inf - -inf) = NaN.
   static __device__ __forceinline__ float shift(float m) { return m == -INFINITY ? 0.f : m; }
 
+  // One exp per merge: the side that holds the max keeps its sum as it is (its factor would
+  // be exp(0) = 1 exactly), so only the other side is rescaled. Swapping a and b takes the
+  // other branch with the same operands, so the bits do not depend on the order; with equal
+  // maxima both branches add a.s and b.s (the factor is exactly 1). _rn intrinsics: no FMA
+  // contraction that could differ between the two branches (see kernels/reduce.cuh).
+  // expf, not __expf: partial sums of fp32 rows need it, and it runs once per merge.
   static __device__ __forceinline__ MaxSum combine(const MaxSum& a, const MaxSum& b) {
     const float m = fmaxf(a.m, b.m);
-    const float ms = shift(m);
-    // _rn intrinsics: no FMA contraction, which would make the bits depend on argument order
-    // (see kernels/reduce.cuh).
-    // expf, not __expf: this runs once per merge, and partial sums of fp32 rows need it.
-    return {m, __fadd_rn(__fmul_rn(a.s, expf(a.m - ms)), __fmul_rn(b.s, expf(b.m - ms)))};
+    const bool a_holds_max = a.m == m;
+    const MaxSum& low = a_holds_max ? b : a;
+    const float factor = expf(low.m - shift(m));
+    return {m, __fadd_rn(a_holds_max ? a.s : b.s, __fmul_rn(low.s, factor))};
   }
 
   template <class F>
@@ -43,6 +48,10 @@ template <typename T, MaskKind kMask>
 struct SoftmaxOp {
   using State = MaxSum;
   using MaskT = std::conditional_t<kMask == MaskKind::kBool, uint8_t, T>;
+  // Prefetch rows (see row_kernel) in 16-bit, where a byte carries twice the arithmetic of
+  // fp32. Measured on an H100: +10-40% for 16-bit softmax; fp32 softmax runs at ~0.92x of a
+  // copy without it and was no faster with it.
+  static constexpr bool kStage = sizeof(T) == 2;
   // An unread column (causal limit, past the end) is a masked one.
   static constexpr float kPad = -INFINITY;
   // Per vector: the additive mask's values, or the bool mask's bytes as one integer (kept
@@ -112,22 +121,15 @@ struct SoftmaxOp {
   // instead of a second exp; log_softmax keeps z.
   template <int NV, int VEC, class Valid>
   __device__ __forceinline__ MaxSum local(float (&z)[NV][VEC], Valid) const {
-    float m = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < NV; ++k)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) m = fmaxf(m, z[k][j]);
+    const float m = fold<NV * VEC>([&](int i) { return z[i / VEC][i % VEC]; }, Max{});
     const float ms = MaxSum::shift(m);
-    float s = 0.f;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float e = exp_for<T>(z[k][j] - ms);
-        s += e;
-        if (!log) z[k][j] = e;
-      }
-    }
+    const float s = fold<NV * VEC>(
+        [&](int i) {
+          const float e = exp_for<T>(z[i / VEC][i % VEC] - ms);
+          if (!log) z[i / VEC][i % VEC] = e;
+          return e;
+        },
+        Add{});
     return {m, s};
   }
 
