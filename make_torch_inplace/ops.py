@@ -99,15 +99,18 @@ def square_matmul_(
     or when the workspace cannot be allocated, a kernel that needs none is used.
     """
     ws = _workspace_limit if workspace_bytes is None else _check_workspace_bytes(workspace_bytes)
-    if torch.is_grad_enabled() and weight.requires_grad:
-        raise RuntimeError(
-            "square_matmul_: weight requires grad, but its gradient needs the input x, which "
-            "this op overwrites. Freeze the weight (weight.requires_grad_(False)), run under "
-            "torch.no_grad()/inference_mode(), or use the out-of-place x @ weight / F.linear"
-        )
-    if _needs_autograd(x, bias):
-        _check_overwritable("square_matmul_", x)
-        return _SquareMatmul.apply(x, weight, bias, transpose, ws)
+    # _needs_autograd spelled out: for a small x this wrapper's Python work is a noticeable
+    # part of the call, and under no_grad/inference_mode one check is all it costs.
+    if torch.is_grad_enabled():
+        if weight.requires_grad:
+            raise RuntimeError(
+                "square_matmul_: weight requires grad, but its gradient needs the input x, which "
+                "this op overwrites. Freeze the weight (weight.requires_grad_(False)), run under "
+                "torch.no_grad()/inference_mode(), or use the out-of-place x @ weight / F.linear"
+            )
+        if x.requires_grad or (bias is not None and bias.requires_grad):
+            _check_overwritable("square_matmul_", x)
+            return _SquareMatmul.apply(x, weight, bias, transpose, ws)
     _ops.square_matmul_(x, weight, bias, transpose, ws)
     return x
 

@@ -1,6 +1,7 @@
 """square_matmul_ and linear_ against F.linear on an fp64 reference: transpose, bias, every
 workspace mode (default, none, a few rows' worth so that many chunks run, the global limit and
-its context manager), odd K and M, strided rows."""
+its context manager), odd K and M, strided rows; on CUDA, the chunks copied back on a side
+stream and the peak memory of the workspace path."""
 
 import pytest
 import torch
@@ -12,12 +13,14 @@ from helpers import (
     DEVICES,
     DTYPE_PARAMS,
     ROW_STRIDED_LAYOUTS,
+    assert_accurate,
     check_op,
     examples,
     lead_shapes,
     randn,
     ref_linear,
     ref_square_matmul,
+    requires_cuda,
     seeds,
     with_layout,
 )
@@ -149,3 +152,86 @@ def test_every_workspace_mode(device):
         check_matmul(device, torch.float32, (50,), 40, seed=35, transpose=True, with_bias=True,
                      mode=mode, layout="row_padded")
         assert mti.get_workspace_limit() == mti.ops.DEFAULT_WORKSPACE_LIMIT
+
+
+# Room for two buffers of five rows: on CUDA the chunks alternate between them, each copied
+# back on a side stream while the next GEMM runs; on the CPU, chunks of ten rows in turn.
+def two_buffers_of_five_rows(x):
+    return 2 * 5 * x.shape[-1] * x.element_size()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "row_padded", "every_other_row"])
+@pytest.mark.parametrize("lead", [(23,), (3, 17)], ids=str)
+@pytest.mark.parametrize("k", [13, 40])
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_chunks(device, dtype, k, lead, layout):
+    """At least three chunks per block of rows, the last one shorter (23 = 5+5+5+5+3 rows on
+    CUDA, 10+10+3 on the CPU), across one or several strided blocks, with bias and both
+    layouts of W."""
+    for transpose in (False, True):
+        x = with_layout(randn(lead + (k,), dtype, device, seed=40 + k), layout)
+        weight = randn((k, k), dtype, device, seed=41, scale=k**-0.5)
+        bias = randn((k,), dtype, device, seed=42)
+        check_op(lambda x, *a, **kw: mti.square_matmul_(
+                     x, *a, **kw, workspace_bytes=two_buffers_of_five_rows(x)),
+                 ref_square_matmul, x, weight, bias, transpose=transpose)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunks_of_many_rows(device):
+    """Chunks of a few hundred rows, evened out and rounded to whole tiles (1000 rows with
+    room for 2 x 300: four chunks of 256, 256, 256 and 232 rows on CUDA)."""
+    x = randn((1000, 64), torch.float32, device, seed=43)
+    weight = randn((64, 64), torch.float32, device, seed=44, scale=0.125)
+    bias = randn((64,), torch.float32, device, seed=45)
+    check_op(lambda x, *a, **kw: mti.square_matmul_(x, *a, **kw, workspace_bytes=2 * 300 * 64 * 4),
+             ref_square_matmul, x, weight, bias, transpose=True)
+
+
+@requires_cuda
+def test_side_stream_copies_land_before_the_caller_stream_goes_on():
+    """The caller runs on a stream of its own, kept busy so the chunks' copies on the side
+    stream start late; x read on the caller's stream right after the op must hold every chunk
+    (the op makes its stream wait for the copies)."""
+    k, rows = 256, 4096
+    src = randn((rows, k), torch.float32, "cuda", seed=46)
+    weight = randn((k, k), torch.float32, "cuda", seed=47, scale=k**-0.5)
+    ref64, torch_out = ref_square_matmul(src.double(), weight.double()), ref_square_matmul(src, weight)
+    x = torch.zeros_like(src)
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(50_000_000)
+        x.copy_(src)
+        mti.square_matmul_(x, weight, workspace_bytes=2 * 512 * k * 4)  # 8 chunks
+        seen = x.clone()
+    torch.cuda.current_stream().wait_stream(caller)
+    assert_accurate(seen, torch_out, ref64, "square_matmul_ on a busy stream")
+
+
+@requires_cuda
+@pytest.mark.parametrize(
+    "rows, k, workspace_bytes",
+    [(64, 1024, None),  # one chunk: the GEMM's output, x's size, is all the extra memory
+     (16384, 1024, None),  # pipelined through two buffers within the default 64 MiB
+     (16384, 1024, 3 << 20),  # two buffers of 1.5 MiB
+     (4096, 4096, (1 << 20) + 5)],  # an odd budget: two buffers of 64 rows each
+    ids=str)
+def test_peak_memory_within_the_workspace(rows, k, workspace_bytes):
+    limit = mti.get_workspace_limit() if workspace_bytes is None else workspace_bytes
+    x = randn((rows, k), torch.bfloat16, "cuda", seed=48)
+    weight = randn((k, k), torch.bfloat16, "cuda", seed=49, scale=k**-0.5)
+    bias = randn((k,), torch.bfloat16, "cuda", seed=50)
+
+    def op():
+        mti.square_matmul_(x, weight, bias, transpose=True, workspace_bytes=workspace_bytes)
+
+    op()  # cuBLAS allocates its own workspace once per stream, on first use: not ours
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    op()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before <= limit
+    assert torch.cuda.memory_allocated() == before

@@ -48,7 +48,8 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
                     int64_t workspace_bytes) {
   const MatmulPlan plan = plan_square_matmul(x, weight, bias, transpose, workspace_bytes);
   if (plan.x.rows == 0) return;  // also K == 0
-  if (square_matmul_with_workspace(x, plan, workspace_bytes) == nullptr) return;
+  ChunkPipeline in_order;
+  if (square_matmul_with_workspace(x, plan, workspace_bytes, in_order) == nullptr) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "square_matmul_", [&] {
     matmul_rows_no_workspace<scalar_t>(
         x.data_ptr<scalar_t>(), plan.x, plan.weight.const_data_ptr<scalar_t>(),

@@ -1,13 +1,20 @@
 // CUDA host side of square_matmul_: x[..., K] <- x @ W (or x @ W^T) + bias, over x.
 //
 // Default: cuBLAS through ATen, a chunk of rows at a time into a workspace of at most
-// workspace_bytes, then copied back over those rows. With no room for one row, or when the
-// workspace cannot be allocated, the zero-workspace kernel of kernels/square_matmul.cu.
+// workspace_bytes, each chunk copied back over its rows on a side stream while the GEMM of the
+// next chunk runs. With no room for one row, or when the workspace cannot be allocated, the
+// zero-workspace kernel of kernels/square_matmul.cu.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <array>
+#include <optional>
 
 #include "common/plans.h"
 #include "cuda/cuda_ops.h"
@@ -16,6 +23,79 @@
 
 namespace mti::cuda {
 namespace {
+
+// Chunk sizing of the default path (measure on the GPU before changing; workspace_bytes =
+// 2 * chunk bytes sweeps smaller chunks without a rebuild).
+//
+// kChunkTargetBytes, the output of one chunk: 8 MiB of 2-byte elements is 4M outputs, about
+// 128 cuBLAS tiles of 128x256, one full wave on 132 SMs, so each GEMM still fills the GPU
+// (smaller chunks leave SMs idle; larger ones only make the last, unoverlapped copy longer).
+// It also still sits in L2 (50 MB on H100/H200) when the side stream copies it back, while
+// the next GEMM streams its own 8 MiB of input and output through the cache, so the copy
+// reads L2 instead of HBM.
+constexpr int64_t kChunkTargetBytes = 8 << 20;
+// kMinChunkRows: every chunk's GEMM reads all of W again. With r rows it does r flops per
+// byte of a 2-byte W, so r >= 1024 stays well above the ridge point (about 300 flop/byte for
+// bf16 on H100) where W does not fit in L2 (K = 8192: 128 MiB).
+constexpr int64_t kMinChunkRows = 1024;
+
+// Copies each chunk back on a side stream, so that the copy of chunk i (memory-bound) runs
+// while the GEMM of chunk i+1 (compute-bound) runs on the caller's stream, the chunks
+// alternating between two buffers of at most half of workspace_bytes each. Events order the
+// streams: GEMM i done -> copy i may start; copy i done -> GEMM i+2, which reuses its
+// buffer, may start.
+class SideStreamCopies final : public ChunkPipeline {
+ public:
+  explicit SideStreamCopies(c10::cuda::CUDAStream caller) : caller_(caller) {}
+
+  ChunkSchedule schedule(int64_t rows, int64_t row_bytes,
+                         int64_t workspace_bytes) const override {
+    const int64_t target = std::max(kMinChunkRows, kChunkTargetBytes / row_bytes);
+    const int64_t fit_one = workspace_bytes / row_bytes;
+    if (rows <= std::min(target, fit_one)) return {rows, 1};  // one chunk, nothing to overlap
+    const int64_t fit_each = workspace_bytes / (kBuffers * row_bytes);
+    if (fit_each < 1) return {fit_one, 1};  // room for one row but not two: chunks in turn
+    return {std::min(target, fit_each), kBuffers};
+  }
+
+  void before_gemm(int buffer) override {
+    // The copy that last read this buffer must be done (a no-op on the first use of each
+    // buffer: block() does nothing for an event never recorded).
+    copied_[buffer].block(caller_);
+  }
+
+  void copy_back(const at::Tensor& dst, const at::Tensor& chunk, int buffer) override {
+    if (!side_) side_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false,
+                                                     caller_.device_index());
+    computed_.record(caller_);  // after the GEMM that wrote `chunk` and all work before it
+    computed_.block(*side_);
+    {
+      const c10::cuda::CUDAStreamGuard on_side(*side_);
+      dst.copy_(chunk);
+    }
+    copied_[buffer].record(*side_);
+  }
+
+  // The caller's stream waits for every copy. Without this, work the caller queues next
+  // could read x before its rows are written, and the workspace, freed on the caller's
+  // stream as soon as square_matmul_with_workspace returns, could be handed by the caching
+  // allocator to the next allocation on that stream (it tracks only the stream a block was
+  // allocated on) and overwritten while a copy still reads it. Waiting here, rather than
+  // ws.record_stream(side), also keeps the block reusable at once, so the allocator's peak
+  // does not grow past the workspace.
+  void join() override {
+    if (!side_) return;
+    joined_.record(*side_);
+    joined_.block(caller_);
+  }
+
+ private:
+  static constexpr int kBuffers = 2;
+  c10::cuda::CUDAStream caller_;
+  std::optional<c10::cuda::CUDAStream> side_;  // taken from the pool at the first copy
+  c10::cuda::CUDAEvent computed_, joined_;
+  std::array<c10::cuda::CUDAEvent, kBuffers> copied_;
+};
 
 // x <- x @ Wv (+ bias) by the zero-workspace kernel. Raises before writing anything when K
 // is beyond the kernel's shared memory; `why` says why no workspace is used.
@@ -46,7 +126,8 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   // The dispatch also refuses float64 (which the plan accepts for the CPU's gradcheck) on
   // every path, before anything is written.
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
-    if (const char* why = square_matmul_with_workspace(x, plan, workspace_bytes))
+    SideStreamCopies pipeline(at::cuda::getCurrentCUDAStream());
+    if (const char* why = square_matmul_with_workspace(x, plan, workspace_bytes, pipeline))
       run_zero_workspace<scalar_t>(x, plan, stream, why);
   });
 }
