@@ -16,6 +16,11 @@
 //    L2, so the rows per block (as many as shared memory holds) set the arithmetic per byte
 //    of W, which bounds the speed at large K.
 //  - float (and fp16/bf16 where the tensor-core path is missing): fp32 FMA tiles.
+//
+// On sm_90, fp16/bf16 with 16-byte aligned rows take the streaming kernel instead (below):
+// a thread-block cluster shares a row block, each block parking its slice of the outputs in
+// shared memory until a cluster barrier says all of the rows' inputs have been read, so a
+// block need not hold whole input rows and does many more rows per W tile.
 #include "kernels/square_matmul.h"
 
 #include <cooperative_groups.h>
@@ -26,6 +31,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstddef>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -54,7 +60,9 @@ struct Args {
   int ldx;                  // pitch of the staged rows in shared memory, in elements
   const T* w;
   const T* bias;            // nullptr: no bias
-  int col_tiles_per_block;  // gridDim.y splits the column tiles into slices of this many
+  int col_tiles_per_block;  // column tiles per block: gridDim.y slices them (staging kernels)
+                            // or the blocks of a cluster do (streaming kernel)
+  int cluster;              // blocks per cluster, which share a row block (streaming kernel)
   bool x_vec;               // x rows start 16-byte aligned and K fills whole 16-byte chunks
   bool w_vec;               // W likewise
   bool grid_sync;           // blocks share row blocks: all stage before any writes
@@ -393,6 +401,216 @@ __global__ void __launch_bounds__(Tile::THREADS)
 }
 
 // ---------------------------------------------------------------------------------------
+// Streaming kernel (fp16/bf16, sm_90): stages the block's outputs instead of its inputs.
+//
+// A cluster of `cluster` blocks owns BM whole rows. Block r of the cluster computes output
+// column tiles [r * tpc, (r + 1) * tpc) of those rows (tpc = a.col_tiles_per_block) as an
+// ordinary tiled GEMM: (BM x kBK) tiles of x and (kBK x BN) tiles of W both stream from L2
+// through a kStages-deep cp.async pipeline, and each finished BM x BN tile (bias added,
+// rounded to T) is parked in shared memory. Only after a cluster barrier, when every block
+// of the cluster has read all of the rows' inputs it needs, are the parked tiles written over
+// x. So shared memory holds BM x (K / cluster) outputs instead of BM x K inputs, and a BM of
+// 128 fits at any K up to 8 * 640 (bf16, 227 KB): each 16 KB pair of tiles read from L2
+// feeds BM * BN * kBK multiply-adds (64 flops per byte) whatever K is, where the staging
+// kernel holds 24 rows per block at K = 4096 (24 flops per byte of W).
+
+// Pipeline stages of x and W tiles, the parked outputs after them; 8 warps in a 2 x 4 grid,
+// each computing MT m16 tiles (16 rows each) by 4 n8 tiles (32 columns).
+template <int MT_>
+struct StreamTile {
+  static constexpr int MT = MT_;
+  static constexpr int WARPS_R = 2;
+  static constexpr int WARPS_C = 4;
+  static constexpr int THREADS = 32 * WARPS_R * WARPS_C;
+  static constexpr int BM = 16 * MT * WARPS_R;
+  static constexpr int BN = 32 * WARPS_C;
+  // x tile [BM][kBK] swizzled like a transposed W tile (w_index<true>), then the W tile.
+  static constexpr int X_TILE = BM * kBK;
+  static constexpr int STAGE = X_TILE + kBK * BN;
+  // Parked rows: a pitch of tpc * BN + 8 elements, 16 bytes past a multiple of 128 bytes, so
+  // the 8 rows one accumulator store writes start in distinct bank quads.
+  static constexpr int kOutPad = 8;
+  static_assert(X_TILE / 8 % THREADS == 0, "whole 16-byte chunks of x per thread");
+};
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T v[2] = {from_float<T>(lo), from_float<T>(hi)};
+  uint32_t r;
+  memcpy(&r, v, sizeof(r));
+  return r;
+}
+
+// Every thread of every block of the cluster arrives; the release/acquire pair orders each
+// block's reads of x before any block's writes after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+// Needs a.x_vec and a.w_vec (16-byte chunks throughout), so K is a multiple of 8.
+template <typename T, bool TRANS, class Tile>
+__device__ __forceinline__ void stream_body(const Args<T>& a) {
+  constexpr int BM = Tile::BM, BN = Tile::BN, MT = Tile::MT, THREADS = Tile::THREADS;
+  constexpr int X_CHUNKS = Tile::X_TILE / 8 / THREADS;  // per thread and tile
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  int64_t* row_off = reinterpret_cast<int64_t*>(smem);
+  T* stages = reinterpret_cast<T*>(smem + BM * sizeof(int64_t));
+  T* outs = stages + kStages * Tile::STAGE;
+  const int out_ld = a.col_tiles_per_block * BN + Tile::kOutPad;
+
+  const int rank = blockIdx.x % a.cluster;
+  const int64_t row0 = (a.first_block + blockIdx.x / a.cluster) * BM;
+  const int nrows = static_cast<int>(min(static_cast<int64_t>(BM), a.rows - row0));
+  const int col_tiles = (a.k + BN - 1) / BN;
+  const int ct_begin = rank * a.col_tiles_per_block;  // < col_tiles: no block is left empty
+  const int ct_end = min(col_tiles, ct_begin + a.col_tiles_per_block);
+  const int k_tiles = a.kpad / kBK;
+  const int tiles = (ct_end - ct_begin) * k_tiles;
+
+  for (int i = threadIdx.x; i < BM; i += THREADS)
+    row_off[i] = i < nrows ? a.row.offset(row0 + i) : 0;
+  __syncthreads();
+
+  // This thread's x chunks: tile rows xr + i * (THREADS / 4), columns [xc, xc + 8); rows past
+  // the last are zero-filled (src nullptr).
+  const int xr = threadIdx.x / 4, xc = threadIdx.x % 4 * 8;
+  const T* xsrc[X_CHUNKS];
+  int xdst[X_CHUNKS];
+#pragma unroll
+  for (int i = 0; i < X_CHUNKS; ++i) {
+    const int r = xr + i * (THREADS / 4);
+    xsrc[i] = r < nrows ? a.x + row_off[r] + xc : nullptr;
+    xdst[i] = w_index<true>(r, xc);
+  }
+  auto load = [&](int t) {
+    T* st = stages + (t % kStages) * Tile::STAGE;
+    const int k0 = t % k_tiles * kBK;
+#pragma unroll
+    for (int i = 0; i < X_CHUNKS; ++i) {
+      const bool in = xsrc[i] != nullptr && k0 + xc < a.k;
+      copy16(st + xdst[i], in ? xsrc[i] + k0 : a.w, in);
+    }
+    load_w_tile<T, TRANS, Tile>(a, st + Tile::X_TILE, (ct_begin + t / k_tiles) * BN, k0);
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < tiles) load(s);
+    cp_async_commit();
+  }
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warp_r = warp / Tile::WARPS_C, warp_c = warp % Tile::WARPS_C;
+  // ldmatrix roles: lane supplies the address of row (lane & 7) of 8x8 matrix (lane >> 3).
+  const int mi = lane >> 3, mr = lane & 7;
+  float acc[MT][4][4] = {};
+  for (int t = 0; t < tiles; ++t) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile t landed for every thread; buffer (t - 1) % kStages is free
+    if (t + kStages - 1 < tiles) load(t + kStages - 1);
+    cp_async_commit();
+
+    const T* xt = stages + (t % kStages) * Tile::STAGE;
+    const T* wt = xt + Tile::X_TILE;
+    // All fragments of the tile first, so that the loads of the second k16 step are in
+    // flight during the first step's MMAs.
+    uint32_t af[kBK / 16][MT][4], bf[kBK / 16][4][2];
+#pragma unroll
+    for (int s = 0; s < kBK / 16; ++s) {
+      // A = x rows, stored [m][k]: matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15),
+      // (m 8-15, k 8-15), the m16n8k16 A fragment's order.
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldsm_x4<false>(af[s][mt], xt + w_index<true>((warp_r * MT + mt) * 16 + (mi & 1) * 8 + mr,
+                                                     s * 16 + (mi >> 1) * 8));
+      // B = Wv, columns n: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7),
+      // (n 8-15, k 8-15) give two n8 tiles' B fragments.
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const int n = warp_c * 32 + np * 16 + (mi >> 1) * 8, k = s * 16 + (mi & 1) * 8;
+        uint32_t r[4];
+        if constexpr (TRANS)
+          ldsm_x4<false>(r, wt + w_index<true>(n + mr, k));  // stored [n][k]
+        else
+          ldsm_x4<true>(r, wt + w_index<false>(k + mr, n));  // stored [k][n]: transpose
+        bf[s][2 * np][0] = r[0];
+        bf[s][2 * np][1] = r[1];
+        bf[s][2 * np + 1][0] = r[2];
+        bf[s][2 * np + 1][1] = r[3];
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kBK / 16; ++s)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) mma_16816<T>(acc[mt][nt], af[s][mt], bf[s][nt]);
+
+    if (t % k_tiles == k_tiles - 1) {
+      // Park the tile. Accumulator (mt, nt): c[0..1] at (m = g, n = 2q, 2q + 1), c[2..3] at
+      // m = g + 8.
+      const int g = lane >> 2, q = lane & 3;
+      const int tile_col = t / k_tiles * BN;  // in the parked rows
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int col = tile_col + warp_c * 32 + nt * 8 + 2 * q;
+        const int j = ct_begin * BN + col;  // output column; K is even, so j + 1 < K too
+        float b0 = 0.f, b1 = 0.f;
+        if (a.bias && j < a.k) {
+          b0 = to_float(__ldg(a.bias + j));
+          b1 = to_float(__ldg(a.bias + j + 1));
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const int m = (warp_r * MT + mt) * 16 + g;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            *reinterpret_cast<uint32_t*>(outs + (m + 8 * h) * out_ld + col) =
+                pack2<T>(acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
+            acc[mt][nt][2 * h] = acc[mt][nt][2 * h + 1] = 0.f;
+          }
+        }
+      }
+    }
+  }
+
+  // Every read of x was a cp.async that tile's wait completed; the barrier then orders them
+  // (the whole cluster's) before the writes, and makes the parked tiles visible block-wide.
+  cp_async_wait<0>();
+  if (a.cluster > 1)
+    cluster_sync();
+  else
+    __syncthreads();
+
+  const int col0 = ct_begin * BN;
+  const int chunks = (min(ct_end * BN, a.k) - col0) / 8;  // per row; K is a multiple of 8
+  for (int c = threadIdx.x; c < nrows * chunks; c += THREADS) {
+    const int r = c / chunks, col = (c - r * chunks) * 8;
+    *reinterpret_cast<uint4*>(a.x + row_off[r] + col0 + col) =
+        *reinterpret_cast<const uint4*>(outs + r * out_ld + col);
+  }
+}
+
+template <typename T, bool TRANS, class Tile>
+__global__ void __launch_bounds__(Tile::THREADS, 1)
+    stream_kernel(const __grid_constant__ Args<T> a) {
+#if defined(__CUDA_ARCH__)
+  // Clusters need sm_90; the launcher picks this kernel only there.
+  constexpr bool kSupported = __CUDA_ARCH__ >= 900;
+#else
+  constexpr bool kSupported = true;
+#endif
+  if constexpr (kSupported)
+    stream_body<T, TRANS, Tile>(a);
+  else
+    __trap();
+}
+
+// ---------------------------------------------------------------------------------------
 // FMA kernel (float; fp16/bf16 without tensor cores). 8 warps; warp w owns rows w + 8 i
 // (i < RM) and lane l the columns l + 32 q (q < 4) of a BN = 128 column tile. W tiles are
 // double-buffered in shared memory, the next one prefetched into registers meanwhile.
@@ -697,6 +915,140 @@ cudaError_t launch_family(TileList<Tiles...> tiles, const Args<T>& a, const Devi
   return err;
 }
 
+
+// Streaming kernel: the blocks of a cluster share a row block, so a cluster must fit on the
+// GPU at once; 8 is the largest cluster every sm_90 part schedules (portable).
+constexpr int kMaxCluster = 8;
+using StreamTiles = TileList<StreamTile<4>, StreamTile<2>>;
+
+template <class Tile>
+size_t stream_smem_bytes(int tpc, size_t elem) {
+  return Tile::BM * sizeof(int64_t) +
+         (static_cast<size_t>(kStages) * Tile::STAGE +
+          static_cast<size_t>(Tile::BM) * (tpc * Tile::BN + Tile::kOutPad)) *
+             elem;
+}
+
+// Column tiles per block and blocks per cluster; cost in the units of launch_cost.
+struct StreamPlan {
+  int tpc = 0;
+  int cluster = 0;
+  int64_t cost = INT64_MAX;  // INT64_MAX: no such launch fits
+};
+
+// The cheapest split of the column tiles among the blocks of a cluster: waves of resident
+// clusters, the per_sm blocks that share a multiprocessor in a wave sharing its throughput,
+// each block doing tpc column tiles, and a column tile costing its BM rows of MMAs plus
+// streaming its BM + BN rows of x and W from L2 (at a quarter of a row of MMAs each, the
+// ratio that launch_cost's MmaTile::kWCost assumes). Smaller clusters win ties. Launches
+// whose blocks would not fill half of the multiprocessors are left to the staging kernel,
+// which slices the columns finer.
+template <class Tile>
+StreamPlan plan_stream(int64_t rows, int k, size_t elem, const DeviceInfo& d) {
+  StreamPlan best;
+  const int col_tiles = (k + Tile::BN - 1) / Tile::BN;
+  const int64_t row_blocks = (rows + Tile::BM - 1) / Tile::BM;
+  for (int cluster = 1; cluster <= std::min(kMaxCluster, col_tiles); ++cluster) {
+    const int tpc = (col_tiles + cluster - 1) / cluster;
+    if ((col_tiles + tpc - 1) / tpc != cluster) continue;  // a block would be left empty
+    if (2 * row_blocks * cluster < d.num_sms) continue;
+    const size_t smem = stream_smem_bytes<Tile>(tpc, elem);
+    if (smem > static_cast<size_t>(d.smem_optin)) continue;
+    const int64_t per_sm = std::max<int64_t>(
+        1, std::min<int64_t>(d.smem_per_sm / (smem + d.smem_reserved),
+                             d.threads_per_sm / Tile::THREADS));
+    const int64_t resident = std::max<int64_t>(1, per_sm * d.num_sms / cluster) * cluster;
+    const int64_t waves = (row_blocks * cluster + resident - 1) / resident;
+    const int64_t cost = waves * per_sm * tpc * (Tile::BM + (Tile::BM + Tile::BN) / 4);
+    if (cost < best.cost) best = {tpc, cluster, cost};
+  }
+  return best;
+}
+
+// Launches the streaming kernel with plan p; *launched stays false, and nothing runs, when
+// the device cannot hold one such cluster (the caller then uses the staging kernel).
+template <typename T, bool TRANS, class Tile>
+cudaError_t launch_stream_tile(Args<T> a, const StreamPlan& p, cudaStream_t stream,
+                               bool* launched) {
+  const auto kernel = &stream_kernel<T, TRANS, Tile>;
+  const size_t smem = stream_smem_bytes<Tile>(p.tpc, sizeof(T));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  a.col_tiles_per_block = p.tpc;
+  a.cluster = p.cluster;
+
+  // Blocks blockIdx.x = cluster * b + rank: row block first_block + b, column slice rank.
+  const int64_t row_blocks = (a.rows + Tile::BM - 1) / Tile::BM;
+  const int64_t per_launch = INT_MAX / p.cluster;  // row blocks
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(p.cluster);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.blockDim = dim3(Tile::THREADS);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  cfg.gridDim = dim3(static_cast<unsigned>(std::min(row_blocks, per_launch) * p.cluster));
+  int clusters = 0;
+  err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (err != cudaSuccess || clusters == 0) return err;
+
+  *launched = true;
+  for (int64_t first = 0; first < row_blocks; first += per_launch) {
+    a.first_block = first;
+    cfg.gridDim =
+        dim3(static_cast<unsigned>(std::min(row_blocks - first, per_launch) * p.cluster));
+    err = cudaLaunchKernelEx(&cfg, kernel, a);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaGetLastError();
+}
+
+// The streaming kernel with the cheapest tile and split; see launch_stream_tile for
+// *launched. Needs sm_90 (clusters) and 16-byte chunks of x and W.
+template <typename T, bool TRANS, class... Tiles>
+cudaError_t launch_stream(TileList<Tiles...>, const Args<T>& a, const DeviceInfo& d,
+                          cudaStream_t stream, bool* launched) {
+  *launched = false;
+  const StreamPlan plans[] = {plan_stream<Tiles>(a.rows, a.k, sizeof(T), d)...};
+  int best = 0;  // the first (more rows per block) on a tie
+  for (int i = 1; i < static_cast<int>(sizeof...(Tiles)); ++i)
+    if (plans[i].cost < plans[best].cost) best = i;
+  if (plans[best].cost == INT64_MAX) return cudaSuccess;
+  cudaError_t err = cudaSuccess;
+  int i = 0;
+  ((i++ == best ? (err = launch_stream_tile<T, TRANS, Tiles>(a, plans[best], stream, launched),
+                   0)
+                : 0),
+   ...);
+  return err;
+}
+
+
+// The arguments every kernel shares; mma: the tensor-core staging kernel's row pitch.
+template <typename T>
+Args<T> make_args(T* x, const RowLayout& layout, const T* w, const T* bias, bool mma) {
+  Args<T> a{};
+  a.x = x;
+  a.row = layout.row;
+  a.rows = layout.rows;
+  a.k = static_cast<int>(layout.n);
+  a.kpad = round_up(a.k, kBK);
+  a.ldx = a.kpad + (mma ? kMmaXPad : kFmaXPad);
+  a.w = w;
+  a.bias = bias;
+  constexpr int V = 16 / sizeof(T);
+  bool rows_aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && a.k % V == 0;
+  for (int i = 0; i < layout.row.ndim; ++i) rows_aligned &= layout.row.strides[i] % V == 0;
+  a.x_vec = rows_aligned;
+  a.w_vec = reinterpret_cast<uintptr_t>(w) % 16 == 0 && a.k % V == 0;
+  return a;
+}
+
 }  // namespace
 
 template <typename T>
@@ -721,22 +1073,14 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
                             : family_max_k(FmaTiles{}, sizeof(T), d.smem_optin);
   if (layout.n > max_k) return cudaErrorInvalidValue;
 
-  Args<T> a{};
-  a.x = x;
-  a.row = layout.row;
-  a.rows = layout.rows;
-  a.k = static_cast<int>(layout.n);
-  a.kpad = round_up(a.k, kBK);
-  a.ldx = a.kpad + (mma ? kMmaXPad : kFmaXPad);
-  a.w = w;
-  a.bias = bias;
-  constexpr int V = 16 / sizeof(T);
-  bool rows_aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && a.k % V == 0;
-  for (int i = 0; i < layout.row.ndim; ++i) rows_aligned &= layout.row.strides[i] % V == 0;
-  a.x_vec = rows_aligned;
-  a.w_vec = reinterpret_cast<uintptr_t>(w) % 16 == 0 && a.k % V == 0;
-
+  const Args<T> a = make_args(x, layout, w, bias, mma);
   if constexpr (sizeof(T) == 2) {
+    if (mma && d.cc >= 90 && a.x_vec && a.w_vec) {
+      bool launched = false;
+      err = transpose ? launch_stream<T, true>(StreamTiles{}, a, d, stream, &launched)
+                      : launch_stream<T, false>(StreamTiles{}, a, d, stream, &launched);
+      if (err != cudaSuccess || launched) return err;
+    }
     if (mma)
       return transpose ? launch_family<T, true>(MmaTiles{}, a, d, stream)
                        : launch_family<T, false>(MmaTiles{}, a, d, stream);

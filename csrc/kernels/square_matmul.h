@@ -1,9 +1,10 @@
 // Torch-free launcher of square_matmul_'s zero-workspace kernel: x <- x @ W (+ bias) written
 // over x using no device memory beyond x, W and bias.
 //
-// Each thread block owns whole rows of x: it copies them into shared memory before the first
-// write, so it can overwrite them in global memory while it computes. That bounds K by the
-// shared memory of one block; square_matmul_zero_ws_max_k says how far on the current device.
+// Each thread block (on sm_90, for fp16/bf16, each cluster of blocks) owns whole rows of x and
+// keeps on chip either the rows' inputs or its share of their outputs until every input
+// element of the rows has been read, so it can overwrite them in global memory. That bounds K
+// by shared memory; square_matmul_zero_ws_max_k says how far on the current device.
 #pragma once
 
 #include <cuda_runtime.h>
