@@ -136,35 +136,6 @@ __device__ __forceinline__ void store_out(const Args<T>& a, const int64_t* row_o
 // ---------------------------------------------------------------------------------------
 // Tensor-core kernel (fp16/bf16).
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared; zeros instead when !in (src must still be a valid address).
-__device__ __forceinline__ void copy16(void* dst, const void* src, bool in) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(in ? 16 : 0));
-#else
-  *reinterpret_cast<uint4*>(dst) =
-      in ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Waits until at most N of this thread's committed cp.async groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
 template <bool TRANS>
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
   if constexpr (TRANS)
