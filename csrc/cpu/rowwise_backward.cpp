@@ -1,9 +1,8 @@
 // CPU backward passes of softmax_ / log_softmax_ and layer_norm_ / rms_norm_, computed from
-// the forward's output y: one row at a time in opmath precision (fp32, fp64 for double) with
-// the row sums in double, like the forward (the CPU path is the accuracy reference).
+// the forward's output y: one row at a time, in double throughout (the CPU path is the
+// accuracy reference; its gradients then carry little more than the error already in y).
 // grad_weight / grad_bias come from a second pass, parallel over blocks of columns, that sums
 // each column over the rows in row order: the same bits whatever the thread count.
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -25,7 +24,7 @@ template <typename scalar_t, typename mask_t>
 void softmax_backward_rows(const scalar_t* y, const scalar_t* dy, scalar_t* dx,
                            const BackwardRows& R, const mask_t* mask, const MaskLayout& ML,
                            const SoftmaxParams& p) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = double;
   const int64_t n = R.y.n;
   at::parallel_for(0, R.y.rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -34,13 +33,12 @@ void softmax_backward_rows(const scalar_t* y, const scalar_t* dy, scalar_t* dx,
       scalar_t* xr = dx + R.grad_x.row.offset(r);
       const mask_t* mr = mask ? mask + ML.row.offset(r) : nullptr;
       const int64_t last_active = p.causal ? r % p.q_len : n - 1;  // causal: j <= i
-      double sum = 0;
+      acc_t s = 0;
       for (int64_t j = 0; j < n; ++j) {
         const acc_t g = static_cast<acc_t>(gr[j * R.grad.col_stride]);
-        sum += p.log ? g : g * static_cast<acc_t>(yr[j * R.y.col_stride]);
+        s += p.log ? g : g * static_cast<acc_t>(yr[j * R.y.col_stride]);
       }
-      const acc_t s = static_cast<acc_t>(sum);
-      const acc_t scale = static_cast<acc_t>(p.scale);
+      const acc_t scale = p.scale;
       for (int64_t j = 0; j < n; ++j) {
         bool active = j <= last_active;
         if (mr) {
@@ -77,7 +75,7 @@ template <typename scalar_t>
 void norm_backward_rows(const scalar_t* y, const scalar_t* dy, scalar_t* dx,
                         const BackwardRows& R, const scalar_t* weight, const scalar_t* bias,
                         const float* rstd, bool rms) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = double;
   const int64_t n = R.y.n;
   at::parallel_for(0, R.y.rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> xh(n), gh(n);
@@ -85,7 +83,7 @@ void norm_backward_rows(const scalar_t* y, const scalar_t* dy, scalar_t* dx,
       const scalar_t* yr = y + R.y.row.offset(r);
       const scalar_t* gr = dy + R.grad.row.offset(r);
       scalar_t* xr = dx + R.grad_x.row.offset(r);
-      double sum_g = 0, sum_gx = 0;
+      acc_t sum_g = 0, sum_gx = 0;
       for (int64_t j = 0; j < n; ++j) {
         xh[j] = x_hat(static_cast<acc_t>(yr[j * R.y.col_stride]), weight, bias, j);
         gh[j] = static_cast<acc_t>(gr[j * R.grad.col_stride]);
@@ -93,8 +91,8 @@ void norm_backward_rows(const scalar_t* y, const scalar_t* dy, scalar_t* dx,
         sum_g += gh[j];
         sum_gx += gh[j] * xh[j];
       }
-      const acc_t mean_g = rms ? acc_t(0) : static_cast<acc_t>(sum_g / static_cast<double>(n));
-      const acc_t mean_gx = static_cast<acc_t>(sum_gx / static_cast<double>(n));
+      const acc_t mean_g = rms ? 0.0 : sum_g / static_cast<double>(n);
+      const acc_t mean_gx = sum_gx / static_cast<double>(n);
       const acc_t rs = static_cast<acc_t>(rstd[r]);
       for (int64_t j = 0; j < n; ++j)
         xr[j * R.grad_x.col_stride] = scalar_t(rs * (gh[j] - mean_g - xh[j] * mean_gx));
@@ -108,7 +106,7 @@ template <typename scalar_t>
 void norm_param_grads(const scalar_t* y, const scalar_t* dy, const BackwardRows& R,
                       const scalar_t* weight, const scalar_t* bias, scalar_t* grad_weight,
                       scalar_t* grad_bias) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = double;
   constexpr int64_t kBlock = 64;  // columns per task: a cache line or more of each row
   at::parallel_for(0, at::divup(R.y.n, kBlock), 1, [&](int64_t begin, int64_t end) {
     double acc_w[kBlock], acc_b[kBlock];
@@ -127,8 +125,8 @@ void norm_param_grads(const scalar_t* y, const scalar_t* dy, const BackwardRows&
         }
       }
       for (int64_t j = c0; j < c1; ++j) {
-        if (grad_weight) grad_weight[j] = scalar_t(static_cast<acc_t>(acc_w[j - c0]));
-        if (grad_bias) grad_bias[j] = scalar_t(static_cast<acc_t>(acc_b[j - c0]));
+        if (grad_weight) grad_weight[j] = scalar_t(acc_w[j - c0]);
+        if (grad_bias) grad_bias[j] = scalar_t(acc_b[j - c0]);
       }
     }
   });
