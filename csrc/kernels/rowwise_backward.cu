@@ -34,17 +34,18 @@
 namespace mti {
 namespace {
 
-// Elements per thread on the resident path: y and grad take 32 registers each (16-bit types
-// packed two to a register, so they hold 64 elements; 32 keeps the conversions clear of
-// spills). With grad_weight/grad_bias each thread also keeps 2 fp32 sums per element it owns,
-// so it owns at most kParamElems. Streaming: fewer per step, likewise to avoid spills.
-constexpr int kResidentElems = 32;
+// Elements per thread on the resident path. Softmax: y and grad take 32 registers each in
+// fp32 (16-bit types would fit 64 elements there, but their conversions then spill). Norms
+// read weight and bias along, and with grad_weight/grad_bias each thread keeps 2 fp32 sums per
+// element it owns: 16 elements. Streaming: fewer per step, likewise to avoid spills.
+constexpr int kSoftmaxElems = 32;
 constexpr int kParamElems = 16;
 constexpr int kStreamElems = 16;
 
 // Vectors (of vec elements) per thread and step.
+template <class Op>
 constexpr int resident_nv(int vec, bool params) {
-  return vec == 1 ? 8 : (params ? kParamElems : kResidentElems) / vec;
+  return vec == 1 ? 8 : (params ? kParamElems : Op::kResidentElems) / vec;
 }
 constexpr int stream_nv(int vec) { return vec == 1 ? 8 : kStreamElems / vec; }
 
@@ -77,11 +78,31 @@ struct Sum2 {
   }
 };
 
+// A vector as fp32. bfloat16 is the top half of a float: two elements per 32-bit word are
+// widened with a shift and a mask (the generic conversion's inline asm kept the packed and
+// the widened copies alive together and made the norm kernels spill).
+template <int VEC, typename T>
+__device__ __forceinline__ void unpack(float (&f)[VEC], const Packed<T, VEC>& p) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC % 2 == 0) {
+    uint32_t words[VEC / 2];
+    memcpy(words, &p, sizeof(words));
+#pragma unroll
+    for (int w = 0; w < VEC / 2; ++w) {
+      f[2 * w] = __uint_as_float(words[w] << 16);
+      f[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] = to_float(p.v[j]);
+  }
+}
+
 template <typename T, MaskKind kMask>
 struct SoftmaxBackwardOp {
   using State = Sum1;
   using MaskT = std::conditional_t<kMask == MaskKind::kBool, uint8_t, T>;
   static constexpr bool kHasParams = false;
+  static constexpr int kResidentElems = kSoftmaxElems;
 
   const MaskT* mask;
   RowIndexer mask_rows;
@@ -138,6 +159,7 @@ template <typename T>
 struct NormBackwardOp {
   using State = Sum2;  // sum(g_hat), sum(g_hat * x_hat)
   static constexpr bool kHasParams = true;
+  static constexpr int kResidentElems = kParamElems;
 
   const T* weight;  // nullptr or n contiguous elements
   const T* bias;
@@ -157,15 +179,15 @@ struct NormBackwardOp {
   __device__ __forceinline__ void recover(float (&xh)[VEC], float (&gh)[VEC],
                                           const float (&y)[VEC], const float (&g)[VEC],
                                           int64_t c0) const {
-    Packed<T, VEC> w, b;
-    if (weight) w = load_vec<VEC>(weight, c0, 1);
-    if (bias) b = load_vec<VEC>(bias, c0, 1);
+    float w[VEC], b[VEC];
+    if (weight) unpack(w, load_vec<VEC>(weight, c0, 1));
+    if (bias) unpack(b, load_vec<VEC>(bias, c0, 1));
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      xh[j] = bias ? y[j] - to_float(b.v[j]) : y[j];
+      xh[j] = bias ? y[j] - b[j] : y[j];
       gh[j] = g[j];
       if (weight) {
-        const float wj = to_float(w.v[j]);
+        const float wj = w[j];
         xh[j] = wj != 0.f ? xh[j] / wj : 0.f;
         gh[j] *= wj;
       }
@@ -207,12 +229,6 @@ struct NormBackwardOp {
     }
   }
 };
-
-template <int VEC, typename T>
-__device__ __forceinline__ void unpack(float (&f)[VEC], const Packed<T, VEC>& p) {
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) f[j] = to_float(p.v[j]);
-}
 
 // Where the scratch rows of the parameter gradients start: [want_w ? P : 0 rows of grad_weight
 // partials][want_b ? P : 0 rows of grad_bias partials], each row n floats.
@@ -418,13 +434,13 @@ struct Launch {
 
 // `aligned`: every row (and side input) is 16-byte aligned with col_stride 1. With parameter
 // gradients, the grid is capped so that the scratch stays within its bound.
-template <typename T>
+template <class Op, typename T>
 Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int sm_count) {
   Launch l;
   const int64_t n = L.y.n;
   l.vec = aligned && n % kVec<T> == 0;
   const int vec = l.vec ? kVec<T> : 1;
-  l.shape = pick_shape(ceil_div(n, vec), resident_nv(vec, param_arrays > 0));
+  l.shape = pick_shape(ceil_div(n, vec), resident_nv<Op>(vec, param_arrays > 0));
   const int64_t rows_per_cta = l.shape.tpr > kWarpSize ? 1 : l.shape.threads / l.shape.tpr;
   const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
   int64_t max_grid = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
@@ -447,7 +463,7 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     backward_kernel<Op, T, VEC, stream_nv(VEC), true, kParams>
         <<<grid, l.shape.threads, 0, stream>>>(y, dy, dx, L, op, l.shape.tpr, part);
   else
-    backward_kernel<Op, T, VEC, resident_nv(VEC, kParams), false, kParams>
+    backward_kernel<Op, T, VEC, resident_nv<Op>(VEC, kParams), false, kParams>
         <<<grid, l.shape.threads, 0, stream>>>(y, dy, dx, L, op, l.shape.tpr, part);
   return cudaGetLastError();
 }
@@ -497,7 +513,7 @@ cudaError_t launch_softmax_masked(const T* y, const T* dy, T* dx, const Backward
       (kMask == MaskKind::kNone ||
        (ML.col_stride == 1 &&
         rows_aligned(mask, ML.row, sizeof(MaskT), sizeof(MaskT) * kVec<T>)));
-  const Launch l = plan_launch<T>(L, aligned, 0, dev.sm_count);
+  const Launch l = plan_launch<Op, T>(L, aligned, 0, dev.sm_count);
   return launch_paths(y, dy, dx, L, op, l, Partials{nullptr, nullptr}, stream);
 }
 
@@ -546,8 +562,9 @@ cudaError_t norm_backward_scratch(const BackwardRows& rows, bool want_weight, bo
   if (err != cudaSuccess) return err;
   // The widest launch (vector path): its grid is capped by the same bound, and the scalar path
   // of the same rows never needs more partial rows than the bound allows either.
-  const Launch l = plan_launch<T>(rows, /*aligned=*/true, arrays, dev.sm_count);
-  const Launch ls = plan_launch<T>(rows, /*aligned=*/false, arrays, dev.sm_count);
+  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/true, arrays, dev.sm_count);
+  const Launch ls =
+      plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/false, arrays, dev.sm_count);
   *scratch_floats = std::max(l.partial_rows, ls.partial_rows) * rows.y.n * arrays;
   return cudaSuccess;
 }
@@ -571,7 +588,7 @@ cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const Bac
   op.inv_n = 1.f / static_cast<float>(n);
   op.rms = rms;
   const bool aligned = norm_aligned(y, grad, grad_x, rows, weight, bias, sizeof(T));
-  const Launch l = plan_launch<T>(rows, aligned, arrays, dev.sm_count);
+  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, aligned, arrays, dev.sm_count);
   if (l.partial_rows * n * arrays > scratch_floats) return cudaErrorInvalidValue;
   Partials part{nullptr, nullptr};
   if (grad_weight) part.w = scratch;
