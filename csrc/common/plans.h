@@ -86,16 +86,16 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                    const at::Tensor& rstd);
 
-// `op` names the forward op ("softmax_backward"). Checks y, grad, the mask and grad_x (y's
-// shape, dtype and device; no overlap with what is read) and plans the rows.
+// `op` is the name errors give ("softmax_backward"). Checks y, grad, the mask and grad_x
+// (y's shape, dtype and device; no overlap with what is read) and plans the rows.
 SoftmaxBackwardPlan plan_softmax_backward(const char* op, const at::Tensor& y,
                                           const at::Tensor& grad, int64_t dim, double scale,
                                           const std::optional<at::Tensor>& mask, bool causal,
                                           bool log, const at::Tensor& grad_x);
 
-// grad_x, grad_weight, grad_bias: empty (not wanted) or the tensors to write, grad_weight /
-// grad_bias contiguous in weight's / bias's shape and dtype. rstd: the forward's, `rows`
-// contiguous float32 values.
+// `op` as above ("norm_backward"). grad_x, grad_weight, grad_bias: empty (not wanted) or the
+// tensors to write, grad_weight / grad_bias contiguous in weight's / bias's shape and dtype.
+// rstd: the forward's, `rows` contiguous float32 values.
 NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const at::Tensor& grad,
                                     at::IntArrayRef normalized_shape,
                                     const std::optional<at::Tensor>& weight,
