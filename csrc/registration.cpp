@@ -19,4 +19,23 @@ TORCH_LIBRARY(make_torch_inplace, m) {
   // x <- F.rms_norm(x, ...). rstd as for layer_norm_.
   m.def("rms_norm_(Tensor(a!) x, int[] normalized_shape, Tensor? weight, float eps, "
         "Tensor(b!) rstd) -> ()");
+
+  // Backward passes, computed from the forward's output y (its input is gone). They read y and
+  // grad and write only the out arguments, never grad (autograd may share it between
+  // consumers) nor y (other ops may have saved it). fp32 accumulation.
+  //
+  // softmax_'s backward: grad_x <- scale * dz, dz = y * (grad - sum(grad * y)) (softmax) or
+  // grad - exp(y) * sum(grad) (log, sums over the whole row); elements masked by `mask` or
+  // `causal` (as in softmax_) get 0. grad_x: y's shape and dtype, not overlapping y or grad.
+  m.def("softmax_backward(Tensor y, Tensor grad, int dim, float scale, Tensor? mask, "
+        "bool causal, bool log, Tensor(a!) grad_x) -> ()");
+  // layer_norm_'s (rms false) / rms_norm_'s (rms true, bias None) backward from y, the rstd
+  // the forward saved and its weight/bias: x_hat = (y - bias) / weight (0 where weight == 0),
+  // g_hat = grad * weight, grad_x <- rstd * (g_hat - mean(g_hat) - x_hat * mean(g_hat * x_hat))
+  // (RMS: no mean(g_hat) term), grad_weight <- sum over rows of grad * x_hat, grad_bias <- sum
+  // over rows of grad. An empty out argument is not computed; grad_weight / grad_bias have
+  // weight's / bias's shape and dtype.
+  m.def("norm_backward(Tensor y, Tensor grad, int[] normalized_shape, Tensor? weight, "
+        "Tensor? bias, Tensor rstd, bool rms, Tensor(a!) grad_x, Tensor(b!) grad_weight, "
+        "Tensor(c!) grad_bias) -> ()");
 }

@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _C  # noqa: F401  (loading the extension registers the ops)
 
@@ -77,9 +78,9 @@ def _normalized_shape(normalized_shape: int | Sequence[int]) -> list[int]:
     return [int(s) for s in normalized_shape]
 
 
-def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
-    """t as float32 rows of its last normalized elements, for the backward formulas."""
-    return t.reshape(-1, n).float()
+def _not_wanted(like: torch.Tensor) -> torch.Tensor:
+    """An empty out argument: tells a backward op not to compute that gradient."""
+    return torch.empty(0, dtype=like.dtype, device=like.device)
 
 
 # --------------------------------------------------------------------------- square matmul
@@ -209,23 +210,34 @@ class _Softmax(torch.autograd.Function):
         return x
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         y, mask = ctx.saved_tensors
-        y32, g32 = y.float(), grad.float()
-        if ctx.log:
-            grad_z = g32 - y32.exp() * g32.sum(ctx.dim, keepdim=True)
-        else:
-            grad_z = y32 * (g32 - (g32 * y32).sum(ctx.dim, keepdim=True))
-        active = _active_elements(y, mask, ctx.causal)
-        if active is not None:
-            # Masked elements (and whole masked rows, which are constant zeros) have no
-            # gradient; log_softmax's formula alone would give them one.
-            grad_z = grad_z.masked_fill(~active, 0.0)
-        grad_x = (grad_z * ctx.scale).to(y.dtype) if ctx.needs_input_grad[0] else None
-        grad_mask = None
+        grad_x = grad_mask = None
+        if ctx.needs_input_grad[0]:
+            # A fresh tensor: grad may be shared with other consumers and y saved by other ops.
+            grad_x = torch.empty_like(y)
+            _ops.softmax_backward(y, grad, ctx.dim, ctx.scale, mask, ctx.causal, ctx.log, grad_x)
         if ctx.needs_input_grad[3]:
-            grad_mask = grad_z.sum_to_size(mask.shape).to(mask.dtype)
+            grad_mask = _softmax_grad_z(ctx, y, grad, mask).sum_to_size(mask.shape)
+            grad_mask = grad_mask.to(mask.dtype)
         return grad_x, None, None, grad_mask, None, None
+
+
+def _softmax_grad_z(ctx, y, grad, mask):
+    """The gradient w.r.t. the logits z = x * scale + mask, in float32, composed of PyTorch ops
+    (only an additive mask that requires grad needs it; softmax_backward computes grad_x)."""
+    y32, g32 = y.float(), grad.float()
+    if ctx.log:
+        grad_z = g32 - y32.exp() * g32.sum(ctx.dim, keepdim=True)
+    else:
+        grad_z = y32 * (g32 - (g32 * y32).sum(ctx.dim, keepdim=True))
+    active = _active_elements(y, mask, ctx.causal)
+    if active is not None:
+        # Masked elements (and whole masked rows, which are constant zeros) have no
+        # gradient; log_softmax's formula alone would give them one.
+        grad_z = grad_z.masked_fill(~active, 0.0)
+    return grad_z
 
 
 # --------------------------------------------------------------------------- norms
@@ -291,37 +303,33 @@ class _Norm(torch.autograd.Function):
             _ops.layer_norm_(x, shape, weight, bias, eps, rstd)
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, weight, bias, rstd)
-        ctx.shape, ctx.n, ctx.rms = shape, n, rms
+        ctx.shape, ctx.rms = shape, rms
         return x
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         y, weight, bias, rstd = ctx.saved_tensors
-        n = ctx.n
-        y32, g32 = _rows_view(y, n), _rows_view(grad, n)
-        w32 = weight.reshape(n).float() if weight is not None else None
-        x_hat = y32 if bias is None else y32 - bias.reshape(n).float()
-        if w32 is not None:
-            # Where weight is exactly 0, x_hat cannot be recovered; 0 keeps the result finite.
-            x_hat = torch.where(w32 != 0, x_hat / w32, torch.zeros_like(x_hat))
-        g_hat = g32 * w32 if w32 is not None else g32
-        proj = (g_hat * x_hat).mean(-1, keepdim=True)
-        if ctx.rms:
-            grad_x = rstd[:, None] * (g_hat - x_hat * proj)
-        else:
-            grad_x = rstd[:, None] * (g_hat - g_hat.mean(-1, keepdim=True) - x_hat * proj)
-        grad_x = grad_x.to(y.dtype).reshape(y.shape) if ctx.needs_input_grad[0] else None
-        grad_w = grad_b = None
-        if weight is not None and ctx.needs_input_grad[2]:
-            grad_w = (g32 * x_hat).sum(0).reshape(weight.shape).to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[3]:
-            grad_b = g32.sum(0).reshape(bias.shape).to(bias.dtype)
-        return grad_x, None, grad_w, grad_b, None, None
+        want_x = ctx.needs_input_grad[0]
+        want_w = weight is not None and ctx.needs_input_grad[2]
+        want_b = bias is not None and ctx.needs_input_grad[3]
+        # Fresh tensors, as PyTorch's backward allocates: grad may be shared with other
+        # consumers and y saved by other ops.
+        grad_x = torch.empty_like(y) if want_x else _not_wanted(y)
+        grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if want_w \
+            else _not_wanted(y)
+        grad_b = torch.empty_like(bias, memory_format=torch.contiguous_format) if want_b \
+            else _not_wanted(y)
+        _ops.norm_backward(y, grad, ctx.shape, weight, bias, rstd, ctx.rms, grad_x, grad_w,
+                           grad_b)
+        return (grad_x if want_x else None, None, grad_w if want_w else None,
+                grad_b if want_b else None, None, None)
 
 
 # --------------------------------------------------------------------------- fake kernels
-# The ops return nothing and only write x (and rstd), so their fake kernels have nothing to
-# compute; they exist so FakeTensor and torch.compile can trace the ops.
+# The ops return nothing and only write their Tensor(a!) arguments (x and rstd, or the
+# gradients), so their fake kernels have nothing to compute; they exist so FakeTensor and
+# torch.compile can trace the ops.
 
 
 @torch.library.register_fake("make_torch_inplace::square_matmul_")
@@ -341,4 +349,15 @@ def _layer_norm_fake(x, normalized_shape, weight, bias, eps, rstd):
 
 @torch.library.register_fake("make_torch_inplace::rms_norm_")
 def _rms_norm_fake(x, normalized_shape, weight, eps, rstd):
+    return None
+
+
+@torch.library.register_fake("make_torch_inplace::softmax_backward")
+def _softmax_backward_fake(y, grad, dim, scale, mask, causal, log, grad_x):
+    return None
+
+
+@torch.library.register_fake("make_torch_inplace::norm_backward")
+def _norm_backward_fake(y, grad, normalized_shape, weight, bias, rstd, rms, grad_x, grad_weight,
+                        grad_bias):
     return None

@@ -2,6 +2,8 @@
 
 #include <ATen/WrapDimUtils.h>
 
+#include <c10/util/accumulate.h>
+
 #include <algorithm>
 #include <vector>
 
@@ -24,11 +26,17 @@ void check_float_dtype(const char* op, const char* name, const at::Tensor& t) {
               op, ": ", name, " must be float32, float16, bfloat16 (or float64 on CPU), got ", dt);
 }
 
+// t must have the device and dtype of x (called `x_name` in the message).
+void check_like(const char* op, const char* name, const at::Tensor& t, const char* x_name,
+                const at::Tensor& x) {
+  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on ", x_name, "'s device (",
+              x.device(), "), got ", t.device());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have ", x_name,
+              "'s dtype (", x.scalar_type(), "), got ", t.scalar_type());
+}
+
 void check_like_x(const char* op, const char* name, const at::Tensor& x, const at::Tensor& t) {
-  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on x's device (", x.device(),
-              "), got ", t.device());
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype (",
-              x.scalar_type(), "), got ", t.scalar_type());
+  check_like(op, name, t, "x", x);
 }
 
 // Byte range [begin, end) spanned by t's elements, or an empty range for an empty tensor.
@@ -43,15 +51,16 @@ std::pair<const char*, const char*> byte_span(const at::Tensor& t) {
   return {base + lo * t.element_size(), base + (hi + 1) * t.element_size()};
 }
 
-// x is written while `other` is read: refuse any sharing of memory, including x being a view
-// into other. Conservative: two interleaved but disjoint views of one storage are refused too.
+// x (called `x_name`) is written while `other` is read: refuse any sharing of memory,
+// including x being a view into other. Conservative: two interleaved but disjoint views of one
+// storage are refused too.
 void check_no_overlap(const char* op, const char* name, const at::Tensor& x,
-                      const at::Tensor& other) {
+                      const at::Tensor& other, const char* x_name = "x") {
   if (x.numel() == 0 || other.numel() == 0) return;
   if (!x.storage().is_alias_of(other.storage())) return;
   const auto a = byte_span(x);
   const auto b = byte_span(other);
-  TORCH_CHECK(a.second <= b.first || b.second <= a.first, op, ": x overlaps ", name,
+  TORCH_CHECK(a.second <= b.first || b.second <= a.first, op, ": ", x_name, " overlaps ", name,
               " in memory; the op would overwrite ", name,
               " while reading it (pass a copy, e.g. ", name, ".clone())");
 }
@@ -59,7 +68,7 @@ void check_no_overlap(const char* op, const char* name, const at::Tensor& x,
 // Refuses x whose elements share memory (an expanded or as_strided view): writing one
 // element would change another. Sufficient test: sorted by stride, each dim's stride must
 // step over everything the smaller dims span.
-void check_no_internal_overlap(const char* op, const at::Tensor& x) {
+void check_no_internal_overlap(const char* op, const at::Tensor& x, const char* x_name = "x") {
   if (x.numel() == 0) return;  // nothing is written; strides of an empty tensor are arbitrary
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
   for (int64_t d = 0; d < x.dim(); ++d)
@@ -67,48 +76,61 @@ void check_no_internal_overlap(const char* op, const at::Tensor& x) {
   std::sort(dims.begin(), dims.end());
   int64_t span = 0;  // max offset reached by the dims seen so far
   for (const auto& [stride, size] : dims) {
-    TORCH_CHECK(stride > span, op, ": x has internally overlapping memory (stride ", text(stride),
-                " with size ", text(size), "; e.g. an expanded tensor), so it cannot be written in "
-                "place; pass x.contiguous()");
+    TORCH_CHECK(stride > span, op, ": ", x_name, " has internally overlapping memory (stride ",
+                text(stride), " with size ", text(size), "; e.g. an expanded tensor), so it "
+                "cannot be written in place; pass ", x_name, ".contiguous()");
     span += stride * (size - 1);
   }
 }
 
-// Fills `index` with the leading dims [0, lead) of x (and of the optional tensor m, same
-// shape as x), merging neighbours wherever every tensor allows it and dropping size-1 dims.
-void build_row_index(const char* op, const at::Tensor& x, int64_t lead, RowIndexer& index,
-                     const at::Tensor* m, RowIndexer* m_index) {
+// Fills indexes[i] with the leading dims [0, lead) of tensors[i] (tensors of one shape),
+// merging neighbours wherever every tensor allows it and dropping size-1 dims. Returns false,
+// having filled nothing, when more than kMaxLeadDims groups remain.
+bool try_row_index(int64_t lead, const std::vector<const at::Tensor*>& tensors,
+                   const std::vector<RowIndexer*>& indexes) {
   struct Dim {
-    int64_t size, xs, ms;
+    int64_t size;
+    std::vector<int64_t> strides;  // one per tensor
   };
   std::vector<Dim> merged;  // innermost first while building
+  const at::Tensor& first = *tensors[0];
   for (int64_t d = lead - 1; d >= 0; --d) {
-    const int64_t size = x.size(d);
+    const int64_t size = first.size(d);
     if (size == 1) continue;
-    const int64_t xs = x.stride(d), ms = m ? m->stride(d) : 0;
+    std::vector<int64_t> strides;
+    for (const at::Tensor* t : tensors) strides.push_back(t->stride(d));
     if (!merged.empty()) {
       Dim& in = merged.back();
-      if (xs == in.xs * in.size && ms == in.ms * in.size) {
+      bool mergeable = true;
+      for (size_t i = 0; i < tensors.size(); ++i)
+        mergeable = mergeable && strides[i] == in.strides[i] * in.size;
+      if (mergeable) {
         in.size *= size;
         continue;
       }
     }
-    merged.push_back({size, xs, ms});
+    merged.push_back({size, std::move(strides)});
   }
-  TORCH_CHECK_VALUE(static_cast<int>(merged.size()) <= kMaxLeadDims, op,
-                    ": x's leading dims merge into ", text(static_cast<int64_t>(merged.size())),
-                    " strided groups, more than ", text(kMaxLeadDims), " supported; pass x.contiguous()");
+  if (static_cast<int>(merged.size()) > kMaxLeadDims) return false;
   std::reverse(merged.begin(), merged.end());
-  index.ndim = static_cast<int>(merged.size());
-  if (m_index) m_index->ndim = index.ndim;
-  for (size_t i = 0; i < merged.size(); ++i) {
-    index.sizes[i] = merged[i].size;
-    index.strides[i] = merged[i].xs;
-    if (m_index) {
-      m_index->sizes[i] = merged[i].size;
-      m_index->strides[i] = merged[i].ms;
+  for (size_t i = 0; i < indexes.size(); ++i) {
+    RowIndexer& index = *indexes[i];
+    index.ndim = static_cast<int>(merged.size());
+    for (size_t g = 0; g < merged.size(); ++g) {
+      index.sizes[g] = merged[g].size;
+      index.strides[g] = merged[g].strides[i];
     }
   }
+  return true;
+}
+
+// try_row_index for the tensors an op writes (and reads along with them), refusing layouts
+// that do not merge.
+void build_row_index(const char* op, int64_t lead, const std::vector<const at::Tensor*>& tensors,
+                     const std::vector<RowIndexer*>& indexes) {
+  TORCH_CHECK_VALUE(try_row_index(lead, tensors, indexes), op,
+                    ": x's leading dims merge into more than ", text(kMaxLeadDims),
+                    " strided groups; pass x.contiguous()");
 }
 
 }  // namespace
@@ -144,7 +166,7 @@ MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
   plan.x.n = k;
   plan.x.rows = k == 0 ? 0 : x.numel() / k;
   plan.x.col_stride = 1;
-  build_row_index(op, x, x.dim() - 1, plan.x.row, nullptr, nullptr);
+  build_row_index(op, x.dim() - 1, {&x}, {&plan.x.row});
   // A column-major weight (e.g. W.T of a contiguous W) is the transpose of a contiguous one:
   // flip the flag rather than copy K x K elements.
   plan.transpose = transpose;
@@ -158,46 +180,165 @@ MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
   return plan;
 }
 
-SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, double scale,
-                         const std::optional<at::Tensor>& mask, bool causal, bool log) {
-  check_float_dtype(op, "x", x);
+namespace {
+
+// t with dim moved last: the softmax's rows. A 0-dim t is one row of one element.
+at::Tensor softmax_rows_view(const at::Tensor& t, int64_t dim) {
+  return t.dim() == 0 ? t.view({1}) : t.movedim(dim, -1);
+}
+
+// What softmax_ and its backward share, for x (the forward's input, the backward's y, called
+// `x_name`): wraps dim, checks causal, fills params and mask_layout's kind and col_stride, and
+// returns the mask expanded to x's shape with dim moved last (undefined without a mask). The
+// caller checks that the mask does not overlap what it writes.
+at::Tensor plan_softmax_common(const char* op, const at::Tensor& x, const char* x_name,
+                               int64_t& dim, double scale, const std::optional<at::Tensor>& mask,
+                               bool causal, bool log, SoftmaxParams& params,
+                               MaskLayout& mask_layout) {
+  check_float_dtype(op, x_name, x);
   const int64_t ndim = x.dim();
   dim = at::maybe_wrap_dim(dim, std::max<int64_t>(ndim, 1));
-  check_no_internal_overlap(op, x);
-  TORCH_CHECK_VALUE(!causal || (ndim >= 2 && dim == ndim - 1), op,
-                    ": causal=True needs x with at least 2 dims and dim=-1 (the mask covers the "
-                    "last two dims), got x of ", text(ndim), " dims and dim=", text(dim));
+  TORCH_CHECK_VALUE(!causal || (ndim >= 2 && dim == ndim - 1), op, ": causal=True needs ",
+                    x_name, " with at least 2 dims and dim=-1 (the mask covers the last two "
+                    "dims), got ", x_name, " of ", text(ndim), " dims and dim=", text(dim));
+  params.scale = static_cast<float>(scale);
+  params.log = log;
+  params.causal = causal;
+  params.q_len = causal ? x.size(-2) : 1;
+  if (!mask) return at::Tensor();
+  const at::Tensor& m = *mask;
+  TORCH_CHECK(m.device() == x.device(), op, ": mask must be on ", x_name, "'s device (",
+              x.device(), "), got ", m.device());
+  TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == x.scalar_type(), op,
+              ": mask must be bool or ", x_name, "'s dtype (", x.scalar_type(), "), got ",
+              m.scalar_type());
+  TORCH_CHECK(at::is_expandable_to(m.sizes(), x.sizes()), op, ": mask of shape ",
+              text(m.sizes()), " does not broadcast to ", x_name, "'s shape ", text(x.sizes()));
+  const at::Tensor me = ndim == 0 ? m.reshape({1}) : m.expand(x.sizes()).movedim(dim, -1);
+  mask_layout.kind = m.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
+  mask_layout.col_stride = me.stride(-1);
+  return me;
+}
 
-  SoftmaxPlan plan;
-  plan.params.scale = static_cast<float>(scale);
-  plan.params.log = log;
-  plan.params.causal = causal;
-  plan.params.q_len = causal ? x.size(-2) : 1;
-
-  // A 0-dim x is one row of one element.
-  const at::Tensor xv = ndim == 0 ? x.view({1}) : x.movedim(dim, -1);
-  at::Tensor mv;
-  if (mask) {
-    const at::Tensor& m = *mask;
-    TORCH_CHECK(m.device() == x.device(), op, ": mask must be on x's device (", x.device(),
-                "), got ", m.device());
-    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == x.scalar_type(), op,
-                ": mask must be bool or x's dtype (", x.scalar_type(), "), got ",
-                m.scalar_type());
-    TORCH_CHECK(at::is_expandable_to(m.sizes(), x.sizes()), op, ": mask of shape ", text(m.sizes()),
-                " does not broadcast to x's shape ", text(x.sizes()));
-    check_no_overlap(op, "mask", x, m);
-    at::Tensor me = ndim == 0 ? m.reshape({1}) : m.expand(x.sizes()).movedim(dim, -1);
-    plan.mask.kind = m.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
-    plan.mask.col_stride = me.stride(-1);
-    plan.mask_tensor = me;
-    mv = me;
+// Whether the trailing k dims of t merge into one strided dim (normalized element i at
+// i * col_stride); *col_stride receives that stride (1 when they hold at most one element).
+bool trailing_stride(const at::Tensor& t, int64_t k, int64_t* col_stride) {
+  int64_t n = 1;
+  bool found = false;
+  *col_stride = 1;
+  for (int64_t d = t.dim() - 1; d >= t.dim() - k; --d) {
+    if (t.size(d) > 1) {
+      if (!found) *col_stride = t.stride(d);
+      found = true;
+      if (t.stride(d) != *col_stride * n) return false;
+    }
+    n *= t.size(d);
   }
+  return true;
+}
+
+void check_normalized_shape(const char* op, const char* x_name, const at::Tensor& x,
+                            at::IntArrayRef normalized_shape) {
+  const int64_t k = static_cast<int64_t>(normalized_shape.size());
+  TORCH_CHECK(k >= 1 && k <= x.dim() && x.sizes().slice(x.dim() - k).equals(normalized_shape),
+              op, ": normalized_shape ", text(normalized_shape),
+              " must be non-empty and equal the trailing dims of ", x_name, ", got ", x_name,
+              " of shape ", text(x.sizes()));
+}
+
+// Checks a backward pass's grad (read) and grad_x (written, or empty when `grad_x_optional`)
+// against y: same shape, dtype and device; grad_x is written element by element and must
+// share memory with neither y nor grad.
+void check_backward_tensors(const char* op, const at::Tensor& y, const at::Tensor& grad,
+                            const at::Tensor& grad_x, bool grad_x_optional) {
+  check_like(op, "grad", grad, "y", y);
+  TORCH_CHECK(grad.sizes().equals(y.sizes()), op, ": grad must have y's shape ",
+              text(y.sizes()), ", got ", text(grad.sizes()));
+  if (grad_x_optional && !grad_x.defined()) return;
+  TORCH_CHECK(grad_x.defined(), op, ": grad_x must be a tensor of y's shape");
+  check_like(op, "grad_x", grad_x, "y", y);
+  TORCH_CHECK(grad_x.sizes().equals(y.sizes()), op, ": grad_x must have y's shape ",
+              text(y.sizes()), ", got ", text(grad_x.sizes()));
+  check_no_internal_overlap(op, grad_x, "grad_x");
+  check_no_overlap(op, "y", grad_x, y, "grad_x");
+  check_no_overlap(op, "grad", grad_x, grad, "grad_x");
+}
+
+// The leading-dim indexes of a backward pass's tensors (rows views: leading dims, then the
+// row), merged jointly. Where y's and grad's layouts together with grad_x's (and the mask's)
+// do not merge into kMaxLeadDims groups, y and grad are read from contiguous copies instead
+// (the plan keeps them alive); `copy` makes those copies of the rows views.
+void build_backward_index(const char* op, int64_t lead, at::Tensor& yv, at::Tensor& gv,
+                          const at::Tensor* dxv, const at::Tensor* mv, BackwardRows& rows,
+                          RowIndexer* mask_row) {
+  auto attempt = [&] {
+    std::vector<const at::Tensor*> ts{&yv, &gv};
+    std::vector<RowIndexer*> idx{&rows.y.row, &rows.grad.row};
+    if (dxv) {
+      ts.push_back(dxv);
+      idx.push_back(&rows.grad_x.row);
+    }
+    if (mv) {
+      ts.push_back(mv);
+      idx.push_back(mask_row);
+    }
+    return try_row_index(lead, ts, idx);
+  };
+  if (attempt()) return;
+  yv = yv.contiguous();
+  gv = gv.contiguous();
+  TORCH_CHECK_VALUE(attempt(), op, ": the leading dims of grad_x",
+                    mv ? " and the mask" : "", " merge into more than ", text(kMaxLeadDims),
+                    " strided groups; pass a contiguous grad_x");
+}
+
+void set_rows(RowLayout& layout, int64_t rows, int64_t n, int64_t col_stride) {
+  layout.rows = rows;
+  layout.n = n;
+  layout.col_stride = col_stride;
+}
+
+}  // namespace
+
+SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, double scale,
+                         const std::optional<at::Tensor>& mask, bool causal, bool log) {
+  SoftmaxPlan plan;
+  const at::Tensor mv =
+      plan_softmax_common(op, x, "x", dim, scale, mask, causal, log, plan.params, plan.mask);
+  check_no_internal_overlap(op, x);
+  if (mask) check_no_overlap(op, "mask", x, *mask);
+  plan.mask_tensor = mv;
+  const at::Tensor xv = softmax_rows_view(x, dim);
   plan.x.n = xv.size(-1);
   plan.x.rows = plan.x.n == 0 ? 0 : xv.numel() / plan.x.n;
   plan.x.col_stride = xv.stride(-1);
-  build_row_index(op, xv, xv.dim() - 1, plan.x.row, mask ? &mv : nullptr,
-                  mask ? &plan.mask.row : nullptr);
+  if (mask)
+    build_row_index(op, xv.dim() - 1, {&xv, &mv}, {&plan.x.row, &plan.mask.row});
+  else
+    build_row_index(op, xv.dim() - 1, {&xv}, {&plan.x.row});
+  return plan;
+}
+
+SoftmaxBackwardPlan plan_softmax_backward(const char* op, const at::Tensor& y,
+                                          const at::Tensor& grad, int64_t dim, double scale,
+                                          const std::optional<at::Tensor>& mask, bool causal,
+                                          bool log, const at::Tensor& grad_x) {
+  SoftmaxBackwardPlan plan;
+  const at::Tensor mv =
+      plan_softmax_common(op, y, "y", dim, scale, mask, causal, log, plan.params, plan.mask);
+  check_backward_tensors(op, y, grad, grad_x, /*grad_x_optional=*/false);
+  if (mask) check_no_overlap(op, "mask", grad_x, *mask, "grad_x");
+  plan.mask_tensor = mv;
+  at::Tensor yv = softmax_rows_view(y, dim), gv = softmax_rows_view(grad, dim);
+  const at::Tensor dxv = softmax_rows_view(grad_x, dim);
+  build_backward_index(op, yv.dim() - 1, yv, gv, &dxv, mask ? &mv : nullptr, plan.rows,
+                       &plan.mask.row);
+  plan.y = yv;
+  plan.grad = gv;
+  const int64_t n = yv.size(-1), rows = n == 0 ? 0 : yv.numel() / n;
+  set_rows(plan.rows.y, rows, n, yv.stride(-1));
+  set_rows(plan.rows.grad, rows, n, gv.stride(-1));
+  set_rows(plan.rows.grad_x, rows, n, dxv.stride(-1));
   return plan;
 }
 
@@ -205,12 +346,8 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                    const at::Tensor& rstd) {
   check_float_dtype(op, "x", x);
+  check_normalized_shape(op, "x", x, normalized_shape);
   const int64_t k = static_cast<int64_t>(normalized_shape.size());
-  TORCH_CHECK(k >= 1 && k <= x.dim() &&
-                  x.sizes().slice(x.dim() - k).equals(normalized_shape),
-              op, ": normalized_shape ", text(normalized_shape),
-              " must be non-empty and equal the trailing dims of x, got x of shape ",
-              text(x.sizes()));
   for (const auto* t : {&weight, &bias}) {
     if (!*t) continue;
     const char* name = t == &weight ? "weight" : "bias";
@@ -220,23 +357,13 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
     check_no_overlap(op, name, x, **t);
   }
   check_no_internal_overlap(op, x);
-  // The normalized dims must merge into one strided dim: normalized element i sits at
-  // i * col_stride, col_stride being the stride of the innermost dim of size > 1.
-  int64_t n = 1, col_stride = 0;
-  for (int64_t d = x.dim() - 1; d >= x.dim() - k; --d) {
-    if (x.size(d) > 1) {
-      if (col_stride == 0) col_stride = x.stride(d);
-      TORCH_CHECK_VALUE(x.stride(d) == col_stride * n, op,
-                        ": the normalized dims of x must merge into one (as in a contiguous "
-                        "tensor), got strides ", text(x.strides()), "; pass x.contiguous()");
-    }
-    n *= x.size(d);
-  }
   NormPlan plan;
-  plan.x.n = n;
-  plan.x.rows = n == 0 ? 0 : x.numel() / n;
-  plan.x.col_stride = col_stride == 0 ? 1 : col_stride;
-  build_row_index(op, x, x.dim() - k, plan.x.row, nullptr, nullptr);
+  TORCH_CHECK_VALUE(trailing_stride(x, k, &plan.x.col_stride), op,
+                    ": the normalized dims of x must merge into one (as in a contiguous "
+                    "tensor), got strides ", text(x.strides()), "; pass x.contiguous()");
+  plan.x.n = c10::multiply_integers(normalized_shape);
+  plan.x.rows = plan.x.n == 0 ? 0 : x.numel() / plan.x.n;
+  build_row_index(op, x.dim() - k, {&x}, {&plan.x.row});
   if (weight) plan.weight = weight->contiguous();
   if (bias) plan.bias = bias->contiguous();
   if (rstd.numel() > 0) {
@@ -271,6 +398,87 @@ int64_t balanced_chunk_rows(int64_t rows, int64_t max_rows) {
 }
 
 }  // namespace
+
+NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const at::Tensor& grad,
+                                    at::IntArrayRef normalized_shape,
+                                    const std::optional<at::Tensor>& weight,
+                                    const std::optional<at::Tensor>& bias,
+                                    const at::Tensor& rstd, bool rms, const at::Tensor& grad_x,
+                                    const at::Tensor& grad_weight, const at::Tensor& grad_bias) {
+  check_float_dtype(op, "y", y);
+  check_normalized_shape(op, "y", y, normalized_shape);
+  TORCH_CHECK_VALUE(!(rms && bias), op, ": rms=True takes no bias");
+  const int64_t k = static_cast<int64_t>(normalized_shape.size());
+  const int64_t n = c10::multiply_integers(normalized_shape);
+  const int64_t rows = n == 0 ? 0 : y.numel() / n;
+  // An out argument with no elements is not wanted (or has nothing to receive).
+  const bool want_x = grad_x.numel() > 0;
+  check_backward_tensors(op, y, grad, want_x ? grad_x : at::Tensor(), /*grad_x_optional=*/true);
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() &&
+                  rstd.numel() == rows && rstd.device() == y.device(),
+              op, ": rstd must be a contiguous float32 tensor of ", text(rows),
+              " elements on y's device, got ", rstd.scalar_type(), " of ", text(rstd.numel()));
+  // Every tensor the op writes, with the name its messages use; each is checked against all
+  // that is read, and against the ones written before it.
+  std::vector<std::pair<const char*, at::Tensor>> read{{"y", y}, {"grad", grad}, {"rstd", rstd}};
+  std::vector<std::pair<const char*, at::Tensor>> written;
+  if (want_x) written.emplace_back("grad_x", grad_x);
+  NormBackwardPlan plan;
+  for (const auto* t : {&weight, &bias}) {
+    if (!*t) continue;
+    const char* name = t == &weight ? "weight" : "bias";
+    check_like(op, name, **t, "y", y);
+    TORCH_CHECK((*t)->sizes().equals(normalized_shape), op, ": ", name, " must have shape ",
+                text(normalized_shape), ", got ", text((*t)->sizes()));
+    read.emplace_back(name, **t);
+  }
+  for (const auto* out : {&grad_weight, &grad_bias}) {
+    if (out->numel() == 0) continue;
+    const bool is_w = out == &grad_weight;
+    const char* name = is_w ? "grad_weight" : "grad_bias";
+    const std::optional<at::Tensor>& param = is_w ? weight : bias;
+    TORCH_CHECK(param.has_value(), op, ": ", name, " is given but ", is_w ? "weight" : "bias",
+                " is None");
+    check_like(op, name, *out, is_w ? "weight" : "bias", *param);
+    TORCH_CHECK(out->sizes().equals(param->sizes()) && out->is_contiguous(), op, ": ", name,
+                " must be a contiguous tensor of shape ", text(param->sizes()), ", got ",
+                text(out->sizes()), out->is_contiguous() ? "" : " (not contiguous)");
+    written.emplace_back(name, *out);
+    (is_w ? plan.want_weight : plan.want_bias) = true;
+  }
+  for (size_t i = 0; i < written.size(); ++i) {
+    for (const auto& [name, t] : read)
+      check_no_overlap(op, name, written[i].second, t, written[i].first);
+    for (size_t j = 0; j < i; ++j)
+      check_no_overlap(op, written[j].first, written[i].second, written[j].second,
+                       written[i].first);
+  }
+
+  int64_t y_col = 1, g_col = 1, dx_col = 1;
+  TORCH_CHECK_VALUE(trailing_stride(y, k, &y_col), op,
+                    ": the normalized dims of y must merge into one (as in a contiguous "
+                    "tensor), got strides ", text(y.strides()));
+  TORCH_CHECK_VALUE(!want_x || trailing_stride(grad_x, k, &dx_col), op,
+                    ": the normalized dims of grad_x must merge into one (as in a contiguous "
+                    "tensor), got strides ", text(grad_x.strides()));
+  // grad comes from autograd in any layout (an expanded one from .sum(), say): read a
+  // contiguous copy where its normalized dims do not merge.
+  plan.grad = trailing_stride(grad, k, &g_col) ? grad : grad.contiguous();
+  plan.y = y;
+  build_backward_index(op, y.dim() - k, plan.y, plan.grad, want_x ? &grad_x : nullptr, nullptr,
+                       plan.rows, nullptr);
+  // build_backward_index may have replaced y and grad by contiguous copies.
+  trailing_stride(plan.y, k, &y_col);
+  trailing_stride(plan.grad, k, &g_col);
+  set_rows(plan.rows.y, rows, n, y_col);
+  set_rows(plan.rows.grad, rows, n, g_col);
+  set_rows(plan.rows.grad_x, rows, n, dx_col);
+  plan.want_x = want_x;
+  plan.rms = rms;
+  if (weight) plan.weight = weight->contiguous();
+  if (bias) plan.bias = bias->contiguous();
+  return plan;
+}
 
 const char* square_matmul_with_workspace(const at::Tensor& x, const MatmulPlan& plan,
                                          int64_t workspace_bytes, ChunkPipeline& pipeline) {

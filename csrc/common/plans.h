@@ -44,6 +44,28 @@ struct NormPlan {
   bool save_rstd = false;  // rstd has `rows` float32 elements to fill
 };
 
+// A backward pass of a row-wise op: rows of y and grad read, rows of grad_x written. y and
+// grad are the tensors to read: the caller's, or contiguous copies where their layouts do not
+// merge with grad_x's. Softmax: views with dim moved last.
+struct SoftmaxBackwardPlan {
+  BackwardRows rows;
+  at::Tensor y, grad;
+  MaskLayout mask;
+  at::Tensor mask_tensor;  // defined when mask.kind != kNone; data_ptr() is the base of `mask`
+  SoftmaxParams params;
+};
+
+struct NormBackwardPlan {
+  BackwardRows rows;     // rows.grad_x is meaningful only when want_x
+  at::Tensor y, grad;
+  at::Tensor weight;     // undefined or contiguous with n elements
+  at::Tensor bias;       // undefined or contiguous with n elements
+  bool rms = false;
+  bool want_x = false;       // grad_x is written
+  bool want_weight = false;  // grad_weight (contiguous, weight's dtype) is written
+  bool want_bias = false;    // grad_bias (contiguous, bias's dtype) is written
+};
+
 MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, bool transpose,
                               int64_t workspace_bytes);
@@ -96,6 +118,23 @@ SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, doubl
 NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normalized_shape,
                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                    const at::Tensor& rstd);
+
+// `op` is the name errors give ("softmax_backward"). Checks y, grad, the mask and grad_x
+// (y's shape, dtype and device; no overlap with what is read) and plans the rows.
+SoftmaxBackwardPlan plan_softmax_backward(const char* op, const at::Tensor& y,
+                                          const at::Tensor& grad, int64_t dim, double scale,
+                                          const std::optional<at::Tensor>& mask, bool causal,
+                                          bool log, const at::Tensor& grad_x);
+
+// `op` as above ("norm_backward"). grad_x, grad_weight, grad_bias: empty (not wanted) or the
+// tensors to write, grad_weight / grad_bias contiguous in weight's / bias's shape and dtype.
+// rstd: the forward's, `rows` contiguous float32 values.
+NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const at::Tensor& grad,
+                                    at::IntArrayRef normalized_shape,
+                                    const std::optional<at::Tensor>& weight,
+                                    const std::optional<at::Tensor>& bias,
+                                    const at::Tensor& rstd, bool rms, const at::Tensor& grad_x,
+                                    const at::Tensor& grad_weight, const at::Tensor& grad_bias);
 
 // Calls fn(first_row_offset, rows, row_stride) for each run of rows that is one strided
 // matrix (rows x n, leading dimension row_stride), covering every row of `layout` once.

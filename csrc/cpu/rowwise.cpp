@@ -13,12 +13,10 @@
 
 #include "common/plans.h"
 #include "cpu/cpu_ops.h"
+#include "cpu/rowwise_common.h"
 
 namespace mti::cpu {
 namespace {
-
-// Rows per parallel task: enough elements that a task outweighs its scheduling.
-int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
 
 template <typename scalar_t, typename mask_t>
 void softmax_rows(scalar_t* x, const RowLayout& L, const mask_t* mask, const MaskLayout& ML,
@@ -99,14 +97,6 @@ void norm_rows(scalar_t* x, const RowLayout& L, const scalar_t* weight, const sc
       }
     }
   });
-}
-
-#define MTI_CPU_DISPATCH(TYPE, NAME, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
-
-template <typename scalar_t>
-const scalar_t* optional_data(const at::Tensor& t) {
-  return t.defined() ? t.const_data_ptr<scalar_t>() : nullptr;
 }
 
 void norm(const char* op, const at::Tensor& x, at::IntArrayRef normalized_shape,

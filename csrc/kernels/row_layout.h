@@ -48,6 +48,12 @@ struct RowLayout {
   int64_t col_stride = 1;  // distance between neighbours in a row (1 on every fast path)
 };
 
+// A backward pass's rows: y and grad read, grad_x written, each tensor with its own layout
+// (same rows and n).
+struct BackwardRows {
+  RowLayout y, grad, grad_x;
+};
+
 enum class MaskKind : int { kNone = 0, kBool = 1, kAdditive = 2 };
 
 // A mask broadcast to x's shape, walked with x's row numbering.

@@ -1,0 +1,620 @@
+// Backward kernels of the row-wise ops, from the forward's output y: softmax / log_softmax
+// and LayerNorm / RMSNorm (with their weight and bias gradients).
+//
+// One kernel serves both ops through a functor (SoftmaxBackwardOp, NormBackwardOp below). A
+// row belongs to a group of `tpr` threads: tpr <= 32 lanes (several rows per CTA) or the whole
+// CTA (tpr == blockDim.x <= kMaxThreads). Thread t of the group owns the row's vectors
+// t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring vectors at a time), NV of them per
+// step; the grid strides over groups of rows.
+//  - resident (kStream false): one step holds the whole row; y and grad are read once into
+//    registers (raw, 16-bit types stay packed), reduced, and grad_x is written from them.
+//  - streaming (kStream true): rows longer than a CTA holds; a first pass over the steps
+//    reduces, a second reads y and grad again (from L2 where the row is still there) and writes.
+// With every col_stride 1, 16-byte aligned rows (and mask rows, weight, bias) and n a multiple
+// of VEC, accesses move 16 bytes (VEC elements); otherwise the same kernel runs with VEC = 1.
+//
+// grad_weight / grad_bias (LayerNorm, RMSNorm): each group of threads sums grad * x_hat and
+// grad over the rows it handles, per column, into its own fp32 row of a scratch [P, n] (P =
+// grid * groups per CTA): in registers on the resident path (a thread owns the same columns in
+// every row), read-modify-written in the scratch by the owning thread on the streaming path.
+// A second kernel adds the P partial rows of each column in a fixed order, so the result does
+// not depend on scheduling. The scratch is bounded by max(kScratchFloor, bytes of grad_x / 4)
+// (grid capped accordingly), which keeps it in L2 for the streaming path's read-modify-writes.
+#include "kernels/rowwise_backward.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "kernels/reduce.cuh"
+#include "kernels/rowwise.cuh"
+
+namespace mti {
+namespace {
+
+// Elements per thread on the resident path. Softmax: y and grad take 32 registers each in
+// fp32 (16-bit types would fit 64 elements there, but their conversions then spill). Norms
+// read weight and bias along, and with grad_weight/grad_bias each thread keeps 2 fp32 sums per
+// element it owns: 16 elements. Streaming: fewer per step, likewise to avoid spills.
+constexpr int kSoftmaxElems = 32;
+constexpr int kParamElems = 16;
+constexpr int kStreamElems = 16;
+
+// Vectors (of vec elements) per thread and step.
+template <class Op>
+constexpr int resident_nv(int vec, bool params) {
+  return vec == 1 ? 8 : (params ? kParamElems : Op::kResidentElems) / vec;
+}
+constexpr int stream_nv(int vec) { return vec == 1 ? 8 : kStreamElems / vec; }
+
+constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
+constexpr int kThreadsPerSm = 2048;
+constexpr int64_t kScratchFloor = int64_t{4} << 20;  // bytes of scratch always allowed
+
+// Row sums as reduction states (kernels/reduce.cuh): _rn adds are commutative bitwise.
+struct Sum1 {
+  float a;
+  static __device__ __forceinline__ Sum1 identity() { return {0.f}; }
+  static __device__ __forceinline__ Sum1 combine(const Sum1& x, const Sum1& y) {
+    return {__fadd_rn(x.a, y.a)};
+  }
+  template <class F>
+  __device__ __forceinline__ Sum1 map(F f) const {
+    return {f(a)};
+  }
+};
+
+struct Sum2 {
+  float a, b;
+  static __device__ __forceinline__ Sum2 identity() { return {0.f, 0.f}; }
+  static __device__ __forceinline__ Sum2 combine(const Sum2& x, const Sum2& y) {
+    return {__fadd_rn(x.a, y.a), __fadd_rn(x.b, y.b)};
+  }
+  template <class F>
+  __device__ __forceinline__ Sum2 map(F f) const {
+    return {f(a), f(b)};
+  }
+};
+
+// A vector as fp32. bfloat16 is the top half of a float: two elements per 32-bit word are
+// widened with a shift and a mask (the generic conversion's inline asm kept the packed and
+// the widened copies alive together and made the norm kernels spill).
+template <int VEC, typename T>
+__device__ __forceinline__ void unpack(float (&f)[VEC], const Packed<T, VEC>& p) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC % 2 == 0) {
+    uint32_t words[VEC / 2];
+    memcpy(words, &p, sizeof(words));
+#pragma unroll
+    for (int w = 0; w < VEC / 2; ++w) {
+      f[2 * w] = __uint_as_float(words[w] << 16);
+      f[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] = to_float(p.v[j]);
+  }
+}
+
+template <typename T, MaskKind kMask>
+struct SoftmaxBackwardOp {
+  using State = Sum1;
+  using MaskT = std::conditional_t<kMask == MaskKind::kBool, uint8_t, T>;
+  static constexpr bool kHasParams = false;
+  static constexpr int kResidentElems = kSoftmaxElems;
+
+  const MaskT* mask;
+  RowIndexer mask_rows;
+  int64_t mask_col_stride;  // 1 whenever VEC > 1
+  float scale;
+  bool log;
+  bool causal;
+  int64_t q_len;
+  int64_t n;
+
+  struct Row {
+    int64_t limit;  // columns from `limit` on are causally masked
+    const MaskT* mask;
+  };
+  struct Fin {
+    float s;  // sum(grad * y), or sum(grad) for log_softmax
+  };
+
+  __device__ __forceinline__ Row row(int64_t r) const {
+    Row rc;
+    rc.limit = causal ? r % q_len + 1 : n;
+    rc.mask = kMask == MaskKind::kNone ? nullptr : mask + mask_rows.offset(r);
+    return rc;
+  }
+
+  template <int VEC>
+  __device__ __forceinline__ void add(State& s, const float (&y)[VEC], const float (&g)[VEC],
+                                      int64_t) const {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s.a += log ? g[j] : g[j] * y[j];
+  }
+
+  __device__ __forceinline__ Fin finish(const State& total, int64_t) const { return {total.a}; }
+
+  // grad_x of one vector into out (no parameter gradients: acc_w, acc_b untouched).
+  template <bool kParams, int VEC>
+  __device__ __forceinline__ void grad(float (&out)[VEC], float (&)[VEC], float (&)[VEC],
+                                       const float (&y)[VEC], const float (&g)[VEC], int64_t c0,
+                                       const Row& rc, const Fin& f) const {
+    Packed<MaskT, VEC> m;
+    if constexpr (kMask != MaskKind::kNone) m = load_vec<VEC>(rc.mask, c0, mask_col_stride);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      bool active = c0 + j < rc.limit;
+      if constexpr (kMask == MaskKind::kBool) active = active && m.v[j] != 0;
+      if constexpr (kMask == MaskKind::kAdditive) active = active && to_float(m.v[j]) != -INFINITY;
+      const float dz = log ? g[j] - exp_for<T>(y[j]) * f.s : y[j] * (g[j] - f.s);
+      out[j] = active ? dz * scale : 0.f;
+    }
+  }
+};
+
+template <typename T>
+struct NormBackwardOp {
+  using State = Sum2;  // sum(g_hat), sum(g_hat * x_hat)
+  static constexpr bool kHasParams = true;
+  static constexpr int kResidentElems = kParamElems;
+
+  const T* weight;  // nullptr or n contiguous elements
+  const T* bias;
+  const float* rstd;
+  float inv_n;
+  bool rms;
+
+  struct Row {};
+  struct Fin {
+    float rstd, mean_g, mean_gx;
+  };
+
+  __device__ __forceinline__ Row row(int64_t) const { return {}; }
+
+  // x_hat = (y - bias) / weight (0 where weight == 0) and g_hat = g * weight.
+  template <int VEC>
+  __device__ __forceinline__ void recover(float (&xh)[VEC], float (&gh)[VEC],
+                                          const float (&y)[VEC], const float (&g)[VEC],
+                                          int64_t c0) const {
+    float w[VEC], b[VEC];
+    if (weight) unpack(w, load_vec<VEC>(weight, c0, 1));
+    if (bias) unpack(b, load_vec<VEC>(bias, c0, 1));
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      xh[j] = bias ? y[j] - b[j] : y[j];
+      gh[j] = g[j];
+      if (weight) {
+        const float wj = w[j];
+        xh[j] = wj != 0.f ? xh[j] / wj : 0.f;
+        gh[j] *= wj;
+      }
+    }
+  }
+
+  template <int VEC>
+  __device__ __forceinline__ void add(State& s, const float (&y)[VEC], const float (&g)[VEC],
+                                      int64_t c0) const {
+    float xh[VEC], gh[VEC];
+    recover(xh, gh, y, g, c0);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      s.a += gh[j];
+      s.b += gh[j] * xh[j];
+    }
+  }
+
+  __device__ __forceinline__ Fin finish(const State& total, int64_t r) const {
+    return {rstd[r], rms ? 0.f : total.a * inv_n, total.b * inv_n};
+  }
+
+  // grad_x of one vector into out and, with kParams, its terms of grad_weight (grad * x_hat)
+  // and grad_bias (grad) added to acc_w and acc_b.
+  template <bool kParams, int VEC>
+  __device__ __forceinline__ void grad(float (&out)[VEC], float (&acc_w)[VEC],
+                                       float (&acc_b)[VEC], const float (&y)[VEC],
+                                       const float (&g)[VEC], int64_t c0, const Row&,
+                                       const Fin& f) const {
+    float xh[VEC], gh[VEC];
+    recover(xh, gh, y, g, c0);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      out[j] = f.rstd * (gh[j] - f.mean_g - xh[j] * f.mean_gx);
+      if constexpr (kParams) {
+        acc_w[j] += g[j] * xh[j];
+        acc_b[j] += g[j];
+      }
+    }
+  }
+};
+
+// Where the scratch rows of the parameter gradients start: [want_w ? P : 0 rows of grad_weight
+// partials][want_b ? P : 0 rows of grad_bias partials], each row n floats.
+struct Partials {
+  float* w;  // nullptr: grad_weight not wanted
+  float* b;  // nullptr: grad_bias not wanted
+};
+
+template <class Op, typename T, int VEC, int NV, bool kStream, bool kParams>
+__global__ void __launch_bounds__(kMaxThreads, 2)
+    backward_kernel(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
+                    const BackwardRows L, const Op op, const int tpr, const Partials part) {
+  using State = typename Op::State;
+  // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
+  using Col = std::conditional_t<kStream, int64_t, int>;
+  __shared__ State warp_totals[2][kMaxWarps];
+
+  const bool cta_rows = tpr > kWarpSize;
+  const int group = cta_rows ? static_cast<int>(blockDim.x) : tpr;
+  const int t = static_cast<int>(threadIdx.x) % group;
+  const int rows_per_cta = static_cast<int>(blockDim.x) / group;
+  const int sub_row = static_cast<int>(threadIdx.x) / group;
+  const int64_t n = L.y.n;
+  const int64_t ycs = VEC == 1 ? L.y.col_stride : 1;
+  const int64_t gcs = VEC == 1 ? L.grad.col_stride : 1;
+  const int64_t xcs = VEC == 1 ? L.grad_x.col_stride : 1;
+  const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
+  // Column of vector k of step s of this thread.
+  auto column = [&](Col s, int k) -> Col { return ((s * NV + k) * group + t) * VEC; };
+
+  // This group's scratch rows (kParams): row p of the grad_weight and grad_bias partials.
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * rows_per_cta + sub_row;
+  float* part_w = kParams && part.w ? part.w + p * n : nullptr;
+  float* part_b = kParams && part.b ? part.b + p * n : nullptr;
+  float acc_w[NV][VEC], acc_b[NV][VEC];  // resident path's partial sums
+  if constexpr (kParams) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc_w[k][j] = acc_b[k][j] = 0.f;
+    if constexpr (kStream) {  // the streaming path sums in the scratch: start it at 0
+      for (int64_t c = static_cast<int64_t>(t) * VEC; c < n; c += int64_t{group} * VEC) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          if (part_w) part_w[c + j] = 0.f;
+          if (part_b) part_b[c + j] = 0.f;
+        }
+      }
+    }
+  }
+
+  unsigned rows_done = 0;  // picks cta_allreduce's buffer
+  for (int64_t grp = blockIdx.x; grp < row_groups; grp += gridDim.x) {
+    const int64_t r = grp * rows_per_cta + sub_row;
+    const bool active = r < L.y.rows;
+    // Inactive threads (past the last row) take part in the reductions with nothing.
+    const Col end = active ? static_cast<Col>(n) : 0;
+    const T* yr = y + (active ? L.y.row.offset(r) : 0);
+    const T* gr = dy + (active ? L.grad.row.offset(r) : 0);
+    const typename Op::Row rc = op.row(active ? r : 0);
+    const Col steps = kStream ? static_cast<Col>(ceil_div(end, int64_t{NV} * group * VEC)) : 1;
+
+    Packed<T, VEC> yv[NV], gv[NV];
+    State mine = State::identity();
+    for (Col s = 0; s < steps; ++s) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const Col c0 = column(s, k);
+        if (c0 < end) {
+          yv[k] = load_vec<VEC>(yr, c0, ycs);
+          gv[k] = load_vec<VEC>(gr, c0, gcs);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const Col c0 = column(s, k);
+        if (c0 < end) {
+          float yf[VEC], gf[VEC];
+          unpack(yf, yv[k]);
+          unpack(gf, gv[k]);
+          op.add(mine, yf, gf, c0);
+        }
+      }
+    }
+    State total = warp_allreduce(mine, cta_rows ? kWarpSize : tpr);
+    if (cta_rows) total = cta_allreduce(total, warp_totals[rows_done % 2]);
+    ++rows_done;
+    if (!active) continue;  // no barrier follows in this iteration
+    const typename Op::Fin fin = op.finish(total, r);
+    T* xr = dx ? dx + L.grad_x.row.offset(r) : nullptr;
+
+    for (Col s = 0; s < steps; ++s) {
+      if constexpr (kStream) {
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+          const Col c0 = column(s, k);
+          if (c0 < end) {
+            yv[k] = load_vec<VEC>(yr, c0, ycs);
+            gv[k] = load_vec<VEC>(gr, c0, gcs);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const Col c0 = column(s, k);
+        if (c0 >= end) continue;
+        float yf[VEC], gf[VEC];
+        unpack(yf, yv[k]);
+        unpack(gf, gv[k]);
+        float out[VEC];
+        if constexpr (kParams && kStream) {
+          float w[VEC] = {}, b[VEC] = {};
+          op.template grad<true>(out, w, b, yf, gf, c0, rc, fin);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            if (part_w) part_w[c0 + j] += w[j];
+            if (part_b) part_b[c0 + j] += b[j];
+          }
+        } else {
+          op.template grad<kParams>(out, acc_w[k], acc_b[k], yf, gf, c0, rc, fin);
+        }
+        if (xr) store_vec<VEC>(xr, c0, xcs, out);
+      }
+    }
+  }
+
+  if constexpr (kParams && !kStream) {
+    // Every column of the row is owned by one thread of each group; groups that saw no row
+    // write zeros.
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const Col c0 = column(0, k);
+      if (c0 >= n) continue;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        if (part_w) part_w[c0 + j] = acc_w[k][j];
+        if (part_b) part_b[c0 + j] = acc_b[k][j];
+      }
+    }
+  }
+}
+
+// out[c] <- sum over p of partials[p * n + c], p in order, for the array blockIdx.y (0:
+// grad_weight when wanted, else grad_bias). Each warp of a CTA sums every kSlices-th partial
+// row for 32 columns, then one warp adds the kSlices sums in order.
+constexpr int kSlices = kMaxThreads / kWarpSize;
+
+template <typename T>
+__global__ void __launch_bounds__(kMaxThreads)
+    sum_partials_kernel(const Partials part, int64_t partial_rows, int64_t n, T* grad_weight,
+                        T* grad_bias) {
+  __shared__ float sums[kSlices][kWarpSize];
+  const bool weight_array = blockIdx.y == 0 && grad_weight != nullptr;
+  const float* src = weight_array ? part.w : part.b;
+  T* out = weight_array ? grad_weight : grad_bias;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int slice = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kWarpSize + lane;
+  float s = 0.f;
+  if (c < n)
+    for (int64_t p = slice; p < partial_rows; p += kSlices) s += src[p * n + c];
+  sums[slice][lane] = s;
+  __syncthreads();
+  if (slice == 0 && c < n) {
+    float total = sums[0][lane];
+#pragma unroll
+    for (int i = 1; i < kSlices; ++i) total += sums[i][lane];
+    out[c] = from_float<T>(total);
+  }
+}
+
+// ---------------------------------------------------------------------------- host side
+
+// Threads per row group and CTA for rows of `vecs` vectors, NV per thread when resident.
+struct Shape {
+  int threads = 0;  // CTA size
+  int tpr = 0;      // threads per row (== threads: the CTA's row)
+  bool stream = false;
+};
+
+Shape pick_shape(int64_t vecs, int nv) {
+  Shape s;
+  if (vecs <= int64_t{kWarpSize} * nv) {
+    // The fewest lanes that hold the row: more bytes in flight per thread, fewer shuffles.
+    s.tpr = static_cast<int>(next_pow2(ceil_div(vecs, nv)));
+    s.threads = kRowsThreads;
+  } else if (vecs <= int64_t{kMaxThreads} * nv) {
+    s.threads = s.tpr = static_cast<int>(round_up(ceil_div(vecs, nv), kWarpSize));
+  } else {
+    s.threads = s.tpr = kMaxThreads;
+    s.stream = true;
+  }
+  return s;
+}
+
+// How a backward pass is launched: the vector width, the thread shape and the grid.
+struct Launch {
+  bool vec = false;
+  Shape shape;
+  int64_t grid = 0;
+  int64_t partial_rows = 0;  // P: scratch rows per wanted parameter gradient
+};
+
+// `aligned`: every row (and side input) is 16-byte aligned with col_stride 1. With parameter
+// gradients, the grid is capped so that the scratch stays within its bound.
+template <class Op, typename T>
+Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int sm_count) {
+  Launch l;
+  const int64_t n = L.y.n;
+  l.vec = aligned && n % kVec<T> == 0;
+  const int vec = l.vec ? kVec<T> : 1;
+  l.shape = pick_shape(ceil_div(n, vec), resident_nv<Op>(vec, param_arrays > 0));
+  const int64_t rows_per_cta = l.shape.tpr > kWarpSize ? 1 : l.shape.threads / l.shape.tpr;
+  const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
+  int64_t max_grid = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
+  if (param_arrays > 0) {
+    const int64_t bound =
+        std::max(kScratchFloor, L.y.rows * n * static_cast<int64_t>(sizeof(T)) / 4);
+    const int64_t per_cta = rows_per_cta * n * param_arrays * static_cast<int64_t>(sizeof(float));
+    max_grid = std::min(max_grid, std::max<int64_t>(1, bound / per_cta));
+  }
+  l.grid = std::max<int64_t>(1, std::min(row_groups, max_grid));
+  l.partial_rows = L.y.rows == 0 ? 0 : l.grid * rows_per_cta;
+  return l;
+}
+
+template <class Op, typename T, int VEC, bool kParams>
+cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L, const Op& op,
+                          const Launch& l, const Partials& part, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>(l.grid);
+  if (l.shape.stream)
+    backward_kernel<Op, T, VEC, stream_nv(VEC), true, kParams>
+        <<<grid, l.shape.threads, 0, stream>>>(y, dy, dx, L, op, l.shape.tpr, part);
+  else
+    backward_kernel<Op, T, VEC, resident_nv<Op>(VEC, kParams), false, kParams>
+        <<<grid, l.shape.threads, 0, stream>>>(y, dy, dx, L, op, l.shape.tpr, part);
+  return cudaGetLastError();
+}
+
+// Launches the path `l` names; with parameter gradients when `part` holds any.
+template <class Op, typename T>
+cudaError_t launch_paths(const T* y, const T* dy, T* dx, const BackwardRows& L, const Op& op,
+                         const Launch& l, const Partials& part, cudaStream_t stream) {
+  constexpr int VEC = kVec<T>;
+  if constexpr (Op::kHasParams) {
+    if (part.w != nullptr || part.b != nullptr)
+      return l.vec ? launch_kernel<Op, T, VEC, true>(y, dy, dx, L, op, l, part, stream)
+                   : launch_kernel<Op, T, 1, true>(y, dy, dx, L, op, l, part, stream);
+  }
+  return l.vec ? launch_kernel<Op, T, VEC, false>(y, dy, dx, L, op, l, part, stream)
+               : launch_kernel<Op, T, 1, false>(y, dy, dx, L, op, l, part, stream);
+}
+
+bool all_rows_aligned(const void* y, const void* dy, const void* dx, const BackwardRows& L,
+                      int64_t elem) {
+  return L.y.col_stride == 1 && L.grad.col_stride == 1 && rows_aligned(y, L.y.row, elem, 16) &&
+         rows_aligned(dy, L.grad.row, elem, 16) &&
+         (dx == nullptr || (L.grad_x.col_stride == 1 && rows_aligned(dx, L.grad_x.row, elem, 16)));
+}
+
+template <typename T, MaskKind kMask>
+cudaError_t launch_softmax_masked(const T* y, const T* dy, T* dx, const BackwardRows& L,
+                                  const void* mask, const MaskLayout& ML,
+                                  const SoftmaxParams& params, cudaStream_t stream) {
+  using Op = SoftmaxBackwardOp<T, kMask>;
+  using MaskT = typename Op::MaskT;
+  Op op;
+  op.mask = static_cast<const MaskT*>(mask);
+  op.mask_rows = ML.row;
+  op.mask_col_stride = ML.col_stride;
+  op.scale = params.scale;
+  op.log = params.log;
+  op.causal = params.causal;
+  op.q_len = params.q_len;
+  op.n = L.y.n;
+  int device = 0;
+  DeviceInfo dev;
+  const cudaError_t err = current_device(&device, &dev);
+  if (err != cudaSuccess) return err;
+  const bool aligned =
+      all_rows_aligned(y, dy, dx, L, sizeof(T)) &&
+      (kMask == MaskKind::kNone ||
+       (ML.col_stride == 1 &&
+        rows_aligned(mask, ML.row, sizeof(MaskT), sizeof(MaskT) * kVec<T>)));
+  const Launch l = plan_launch<Op, T>(L, aligned, 0, dev.sm_count);
+  return launch_paths(y, dy, dx, L, op, l, Partials{nullptr, nullptr}, stream);
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t launch_softmax_backward(const T* y, const T* grad, T* grad_x, const BackwardRows& rows,
+                                    const void* mask, const MaskLayout& mask_layout,
+                                    const SoftmaxParams& params, cudaStream_t stream) {
+  if (rows.y.rows == 0 || rows.y.n == 0) return cudaSuccess;
+  switch (mask_layout.kind) {
+    case MaskKind::kBool:
+      return launch_softmax_masked<T, MaskKind::kBool>(y, grad, grad_x, rows, mask, mask_layout,
+                                                       params, stream);
+    case MaskKind::kAdditive:
+      return launch_softmax_masked<T, MaskKind::kAdditive>(y, grad, grad_x, rows, mask,
+                                                           mask_layout, params, stream);
+    case MaskKind::kNone:
+      break;
+  }
+  return launch_softmax_masked<T, MaskKind::kNone>(y, grad, grad_x, rows, mask, mask_layout,
+                                                   params, stream);
+}
+
+namespace {
+
+bool norm_aligned(const void* y, const void* dy, const void* dx, const BackwardRows& L,
+                  const void* weight, const void* bias, int64_t elem) {
+  const RowIndexer one_row;  // ndim 0: only the base pointer is checked
+  return all_rows_aligned(y, dy, dx, L, elem) &&
+         (weight == nullptr || rows_aligned(weight, one_row, elem, 16)) &&
+         (bias == nullptr || rows_aligned(bias, one_row, elem, 16));
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t norm_backward_scratch(const BackwardRows& rows, bool want_weight, bool want_bias,
+                                  int64_t* scratch_floats) {
+  *scratch_floats = 0;
+  const int arrays = int{want_weight} + int{want_bias};
+  if (arrays == 0 || rows.y.n == 0) return cudaSuccess;
+  int device = 0;
+  DeviceInfo dev;
+  const cudaError_t err = current_device(&device, &dev);
+  if (err != cudaSuccess) return err;
+  // The widest launch (vector path): its grid is capped by the same bound, and the scalar path
+  // of the same rows never needs more partial rows than the bound allows either.
+  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/true, arrays, dev.sm_count);
+  const Launch ls =
+      plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/false, arrays, dev.sm_count);
+  *scratch_floats = std::max(l.partial_rows, ls.partial_rows) * rows.y.n * arrays;
+  return cudaSuccess;
+}
+
+template <typename T>
+cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const BackwardRows& rows,
+                                 const T* weight, const T* bias, const float* rstd, bool rms,
+                                 T* grad_weight, T* grad_bias, float* scratch,
+                                 int64_t scratch_floats, cudaStream_t stream) {
+  const int64_t n = rows.y.n;
+  const int arrays = int{grad_weight != nullptr} + int{grad_bias != nullptr};
+  if (n == 0 || (rows.y.rows == 0 && arrays == 0)) return cudaSuccess;
+  int device = 0;
+  DeviceInfo dev;
+  cudaError_t err = current_device(&device, &dev);
+  if (err != cudaSuccess) return err;
+  NormBackwardOp<T> op;
+  op.weight = weight;
+  op.bias = bias;
+  op.rstd = rstd;
+  op.inv_n = 1.f / static_cast<float>(n);
+  op.rms = rms;
+  const bool aligned = norm_aligned(y, grad, grad_x, rows, weight, bias, sizeof(T));
+  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, aligned, arrays, dev.sm_count);
+  if (l.partial_rows * n * arrays > scratch_floats) return cudaErrorInvalidValue;
+  Partials part{nullptr, nullptr};
+  if (grad_weight) part.w = scratch;
+  if (grad_bias) part.b = scratch + (grad_weight ? l.partial_rows * n : 0);
+  if (rows.y.rows > 0) {
+    err = launch_paths(y, grad, grad_x, rows, op, l, part, stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (arrays == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(ceil_div(n, kWarpSize)), static_cast<unsigned>(arrays));
+  sum_partials_kernel<T><<<grid, kMaxThreads, 0, stream>>>(part, l.partial_rows, n, grad_weight,
+                                                           grad_bias);
+  return cudaGetLastError();
+}
+
+#define MTI_INSTANTIATE_BACKWARD(T)                                                            \
+  template cudaError_t launch_softmax_backward<T>(const T*, const T*, T*, const BackwardRows&, \
+                                                  const void*, const MaskLayout&,              \
+                                                  const SoftmaxParams&, cudaStream_t);         \
+  template cudaError_t norm_backward_scratch<T>(const BackwardRows&, bool, bool, int64_t*);    \
+  template cudaError_t launch_norm_backward<T>(const T*, const T*, T*, const BackwardRows&,    \
+                                               const T*, const T*, const float*, bool, T*, T*, \
+                                               float*, int64_t, cudaStream_t);
+
+MTI_INSTANTIATE_BACKWARD(float)
+MTI_INSTANTIATE_BACKWARD(__half)
+MTI_INSTANTIATE_BACKWARD(__nv_bfloat16)
+
+}  // namespace mti
