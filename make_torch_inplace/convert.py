@@ -71,7 +71,8 @@ def convert(model: nn.Module, verbose: bool = False) -> ConvertedModule:
 
     An op writes over its input only where that input is dead: read by nothing later, not a
     model input, parameter or buffer, not visible through a view that is still used. The
-    model is captured with torch.compile on its first call (and again for new shapes); with
+    model is captured with torch.compile on its first call and again for each new input
+    shape (static shapes; past 64 captures of a model class Dynamo runs it unconverted); with
     ``verbose=True`` each capture prints the rewritten sites and the bytes each saves, which
     also accumulate in ``ConvertedModule.sites``. `model` itself is left unchanged and shares
     its parameters with the result.
