@@ -23,10 +23,19 @@ its in-place form when the tensor it would overwrite is dead there:
 
 Patterns: F.linear / addmm / matmul with a square weight (-> linear_ / square_matmul_),
 softmax / log_softmax with the scale and additive mask that feed them folded in
-(``softmax(x * c + mask)``) and with ``softmax(x, dtype=float32).to(x.dtype)`` folded into one
-op, layer_norm / rms_norm, and elementwise arithmetic and activations (-> PyTorch's own
-``mul_``, ``add_``, ``tanh_``, ...). Module forms (nn.Linear, nn.Softmax, ...) reach the
-backend as these functions, since Dynamo inlines torch.nn modules.
+(``softmax(x * c + mask)``, ``x / d`` as scale 1/d) and with
+``softmax(x, dtype=float32).to(x.dtype)`` folded into one op, layer_norm / rms_norm,
+``torch.where(keep, x, fill)`` (-> ``x.masked_fill_(~keep, fill)``), and elementwise
+arithmetic and activations (-> PyTorch's own ``mul_``, ``add_``, ``tanh_``, ...). Module
+forms (nn.Linear, nn.Softmax, ...) reach the backend as these functions, since Dynamo inlines
+torch.nn modules.
+
+Constant attention masks: the model is captured with static shapes, so a mask computed from
+sizes alone (transformers builds one under torch.compile where eager mode passes none) is
+computed once at capture (_Constants). One that keeps every element is dropped; one that keeps
+exactly j <= i becomes ``is_causal=True`` for scaled_dot_product_attention and ``causal=True``
+for softmax_ (also from ``torch.where(mask, x, lowest)``). SDPA then keeps its flash kernel,
+and no S x S mask is built.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
@@ -61,7 +71,8 @@ def convert(model: nn.Module, verbose: bool = False) -> ConvertedModule:
 
     An op writes over its input only where that input is dead: read by nothing later, not a
     model input, parameter or buffer, not visible through a view that is still used. The
-    model is captured with torch.compile on its first call (and again for new shapes); with
+    model is captured with torch.compile on its first call and again for each new input
+    shape (static shapes; past 64 captures of a model class Dynamo runs it unconverted); with
     ``verbose=True`` each capture prints the rewritten sites and the bytes each saves, which
     also accumulate in ``ConvertedModule.sites``. `model` itself is left unchanged and shares
     its parameters with the result.
@@ -105,9 +116,15 @@ class ConvertedModule(nn.Module):
         super().__init__()
         self.module = module
         self._backend = _Backend(verbose)
+        self._captured: set[tuple] = set()  # _input_signature of the calls seen so far
         # A bound method, not the OptimizedModule torch.compile(module) would return, so the
         # parameters are registered once (under self.module).
-        self._compiled_call = torch.compile(module.__call__, backend=self._backend)
+        # Static shapes (one capture per input shape, up to _RECOMPILE_LIMIT of them): a value
+        # computed from sizes alone, such as an attention mask, is then a constant of the
+        # graph, which the backend can read (see _Constants).
+        self._compiled_call = torch.compile(
+            module.__call__, backend=self._backend, dynamic=False
+        )
 
     @property
     def sites(self) -> list[Site]:
@@ -116,8 +133,16 @@ class ConvertedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         _check_no_autograd(self.module, args, kwargs)
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        # Dynamo reads the recompile limit only when it captures, which with static shapes
+        # is when the inputs' shapes change; patching the config costs ~0.1 ms, more than a
+        # small model's whole forward on a GPU, so a call with known shapes skips it.
+        signature = _input_signature(args, kwargs)
+        if signature in self._captured:
             return self._compiled_call(*args, **kwargs)
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            out = self._compiled_call(*args, **kwargs)
+        self._captured.add(signature)
+        return out
 
 
 class _Backend:
@@ -131,6 +156,21 @@ class _Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         self.sites.extend(_rewrite_graph(gm, report=print if self.verbose else None))
         return gm.forward
+
+
+def _input_signature(args, kwargs) -> tuple:
+    """What a static-shape capture of a call depends on in its inputs: tensors' layouts and
+    Python scalars' values (Dynamo specializes on both)."""
+
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return a.shape, a.stride(), a.dtype, a.device
+        if isinstance(a, (list, tuple, dict)):
+            leaves, spec = pytree.tree_flatten(a)
+            return spec, tuple(map(one, leaves))
+        return a if isinstance(a, (int, float, bool, str, type(None))) else type(a)
+
+    return tuple(map(one, args)), tuple((k, one(v)) for k, v in kwargs.items())
 
 
 def _check_no_autograd(module: nn.Module, args, kwargs) -> None:
@@ -161,12 +201,17 @@ def _rewrite_graph(gm: fx.GraphModule, report: Callable[[str], None] | None = No
                 f"({blocker.target}) is unknown (no example value, or not a strided tensor)"
             )
         return []
-    rewriter = _Rewriter(gm.graph)
+    constants = _Constants(gm.graph)
+    sites = [_fold_sdpa_mask(node, constants) for node in list(gm.graph.nodes)]
+    rewriter = _Rewriter(gm.graph, constants)
+    rewriter.sites += [site for site in sites if site is not None]
     # Softmax first: it folds the scale and mask ops before them, which the elementwise
     # rewrites of the second pass would otherwise take.
     for node in list(gm.graph.nodes):
         if _match(node, ("softmax", "log_softmax")):
             rewriter.softmax(node)
+    # The masks folded away above are no longer computed at all.
+    constants.erase_unused(gm.graph)
     for node in list(gm.graph.nodes):
         rewriter.other(node)
     gm.graph.lint()
@@ -209,6 +254,13 @@ class _Liveness:
             return set()
         return {self._root(k) for k in _storages(node)}
 
+    def add(self, node: fx.Node, pos: int) -> None:
+        """A node inserted at `pos` with a new value of its own."""
+        self.pos[node] = pos
+        for key in _storages(node):
+            self._parent.setdefault(key, key)
+        self.note_reads(node, pos)
+
     def note_reads(self, node: fx.Node, pos: int) -> None:
         for inp in node.all_input_nodes:
             for root in self._roots(inp):
@@ -239,8 +291,9 @@ class _Liveness:
 
 
 class _Rewriter:
-    def __init__(self, graph: fx.Graph) -> None:
+    def __init__(self, graph: fx.Graph, constants: _Constants) -> None:
         self.graph = graph
+        self.constants = constants
         self.live = _Liveness(graph)
         self.sites: list[Site] = []
 
@@ -260,12 +313,14 @@ class _Rewriter:
             result = users[0]
         pos = self.live.pos[node]
         out = _tensor(result)
-        for base, scale, mask, folded in _softmax_inputs(x):
+        last_dim = dim in (-1, _tensor(x).dim() - 1)
+        for base, scale, mask, causal, folded in _softmax_inputs(x, self.constants):
             t = _tensor(base)
             if (
                 t is not None
                 and _inplace_ok(t, out, mti_op=True)
                 and (mask is None or _mask_ok(_tensor(mask), t))
+                and (last_dim or not causal)
                 and self.live.dead_after(base, pos)
                 and self.live.disjoint(base, [mask])
                 and self._unread_between(folded, node, [base, mask])
@@ -275,8 +330,12 @@ class _Rewriter:
                     kwargs["scale"] = scale
                 if mask is not None:
                     kwargs["mask"] = mask
+                if causal:
+                    kwargs["causal"] = True
                 fn = ops.softmax_ if family == "softmax" else ops.log_softmax_
                 pattern = [_name(n) for n in folded] + [family]
+                if causal:
+                    pattern[-1] += " (causal mask)"
                 if result is not node:
                     pattern.append(_name(result))
                 self._replace(
@@ -312,6 +371,33 @@ class _Rewriter:
             self._matmul(node, family, a)
         elif family in ("layer_norm", "rms_norm"):
             self._norm(node, family, a)
+        elif family == "where":
+            self._where(node, a)
+
+    def _where(self, node, a) -> None:
+        """torch.where(keep, x, fill) -> x.masked_fill_(~keep, fill) for a dead x and a
+        scalar fill (HF's masking of attention scores); ~keep costs keep's size, not x's."""
+        x, keep, fill = a["input"], a["condition"], a["other"]
+        t, k = _tensor(x), _tensor(keep)
+        fill_t = _tensor(fill)
+        scalar_fill = _is_number(fill) or (fill_t is not None and fill_t.dim() == 0)
+        pos = self.live.pos[node]
+        if (
+            t is None
+            or k is None
+            or k.dtype != torch.bool
+            or not scalar_fill
+            or not _inplace_ok(t, _tensor(node), mti_op=False)
+            or not self.live.dead_after(x, pos)
+            or not self.live.disjoint(x, [keep, fill])
+        ):
+            return
+        with self.graph.inserting_before(node):
+            drop = self.graph.call_function(torch.logical_not, (keep,))
+        drop.meta["example_value"] = torch.empty_like(k)
+        self.live.add(drop, pos)
+        self._replace(node, torch.Tensor.masked_fill_, (x, drop, fill), {}, x)
+        self._site(torch.Tensor.masked_fill_, ["where"], node, node)
 
     def _elementwise(self, node, family, a) -> None:
         fn, rest, carried = _ELEMENTWISE[family]
@@ -425,6 +511,161 @@ class _Rewriter:
         )
 
 
+# --------------------------------------------------------------------------- constant masks
+
+# Functions and Tensor methods that compute their result from their arguments alone, the ops
+# models build attention masks from (arange, comparisons, broadcasting, cumsum ...).
+_PURE_FUNCTIONS = {
+    torch.arange, torch.tensor, torch.scalar_tensor, torch.ones, torch.zeros, torch.full,
+    torch.ones_like, torch.zeros_like, torch.full_like, torch.tril, torch.triu, torch.diff,
+    torch.cumsum, torch.where, torch.logical_and, torch.logical_or, torch.logical_not,
+    torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge,
+    operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+    operator.invert, operator.and_, operator.or_, operator.xor, operator.eq, operator.ne,
+    operator.lt, operator.le, operator.gt, operator.ge, operator.getitem,
+}
+_PURE_METHODS = {
+    "to", "type", "expand", "view", "reshape", "unsqueeze", "squeeze", "transpose", "permute",
+    "contiguous", "bool", "int", "long", "float", "half", "bfloat16", "new_ones", "new_zeros",
+    "new_full", "cumsum", "diff", "masked_fill", "logical_not", "logical_and", "logical_or",
+    "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "__invert__",
+}
+
+
+class _Constants:
+    """The nodes whose value depends on no graph input: pure ops of constants and sizes.
+
+    Models build attention masks this way; transformers does so under torch.compile even
+    where it passes no mask in eager mode (it cannot test the mask's values while tracing),
+    which sends scaled_dot_product_attention from its flash kernel to a masked one, or to the
+    math path that materialises the scores. The converted model is captured with static
+    shapes (see ConvertedModule), so such a value is the same on every call of the graph:
+    computing it once here, on real tensors, tells what the mask keeps.
+    """
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.nodes: set[fx.Node] = set()
+        for node in graph.nodes:
+            pure = (node.op == "call_function" and _hashable_in(node.target, _PURE_FUNCTIONS)) or (
+                node.op == "call_method" and node.target in _PURE_METHODS
+            )
+            if pure and _static(node) and all(i in self.nodes for i in node.all_input_nodes):
+                self.nodes.add(node)
+        self._values: dict[fx.Node, object] = {}
+
+    def value(self, node: fx.Node):
+        """node's real value, or None if it is not constant or computing it failed."""
+        if node not in self.nodes:
+            return None
+        if node not in self._values:
+            self._values[node] = None
+            with unset_fake_temporarily(), torch.no_grad():
+                try:
+                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), self._input)
+                    if node.op == "call_function":
+                        self._values[node] = node.target(*args, **kwargs)
+                    else:
+                        self_arg, *rest = args
+                        self._values[node] = getattr(self_arg, node.target)(*rest, **kwargs)
+                except (_NotConstant, RuntimeError, TypeError, ValueError, IndexError):
+                    pass  # an input is unknown, or an unusual argument: stays unknown
+        return self._values[node]
+
+    def _input(self, node: fx.Node):
+        value = self.value(node)
+        if value is None:
+            raise _NotConstant
+        return value
+
+    def mask_kind(self, mask, shape) -> str | None:
+        """What an attention mask broadcast to `shape` (..., q, k) keeps: "all" (every
+        element), "causal" (exactly j <= i), or None (something else, or unknown). A bool
+        mask keeps its True elements; a float mask is additive, keeping its zeros and
+        dropping -inf or the lowest finite value of its dtype; anything else is unknown."""
+        if not isinstance(mask, fx.Node) or len(shape) < 2:
+            return None
+        m = self.value(mask)
+        if not isinstance(m, torch.Tensor) or m.dim() > len(shape):
+            return None
+        shape = tuple(_hint(s) for s in shape)
+        with unset_fake_temporarily(), torch.no_grad():
+            if m.dtype == torch.bool:
+                keep = m
+            elif m.is_floating_point():
+                keep = m == 0
+                if not (keep | (m <= torch.finfo(m.dtype).min)).all():
+                    return None
+            else:
+                return None
+            try:
+                keep = keep.expand(shape)
+            except RuntimeError:  # would not broadcast to the scores without growing them
+                return None
+            if keep.all():
+                return "all"
+            q, k = shape[-2:]
+            causal = torch.ones(q, k, dtype=torch.bool, device=keep.device).tril()
+            return "causal" if torch.equal(keep, causal.expand(shape)) else None
+
+    def erase_unused(self, graph: fx.Graph) -> None:
+        for node in reversed(graph.nodes):
+            if node in self.nodes and not node.users:
+                graph.erase_node(node)
+                self.nodes.discard(node)
+
+
+class _NotConstant(Exception):
+    pass
+
+
+def _static(node: fx.Node) -> bool:
+    """node's value has no symbolic size (which would make it differ between calls)."""
+    return all(
+        isinstance(s, int)
+        for t in pytree.tree_leaves(node.meta.get("example_value"))
+        if isinstance(t, torch.Tensor)
+        for s in (*t.shape, *t.stride())
+    )
+
+
+def _hashable_in(target, collection) -> bool:
+    try:
+        return target in collection
+    except TypeError:  # an unhashable callable
+        return False
+
+
+def _fold_sdpa_mask(node: fx.Node, constants: _Constants) -> Site | None:
+    """scaled_dot_product_attention with a constant mask that keeps everything -> no mask;
+    one that keeps exactly j <= i (square scores) -> is_causal=True, as eager mode does."""
+    m = _match(node, ("sdpa",))
+    if m is None:
+        return None
+    a = m[1]
+    mask, q, k = a["attn_mask"], _tensor(a["query"]), _tensor(a["key"])
+    if mask is None or a["is_causal"] or q is None or k is None or q.dim() < 2:
+        return None
+    shape = (*q.shape[:-1], k.shape[-2])
+    kind = constants.mask_kind(mask, shape)
+    if kind is None or (kind == "causal" and not _same(shape[-1], shape[-2])):
+        return None
+    args = dict(zip(_SDPA, node.args))
+    args.update(node.kwargs)
+    args["attn_mask"] = None
+    if kind == "causal":
+        args["is_causal"] = True
+    node.args, node.kwargs = (), args
+    value = _tensor(mask)
+    return Site(
+        op="scaled_dot_product_attention" + ("(is_causal=True)" if kind == "causal" else ""),
+        pattern=f"attention mask keeping {'every element' if kind == 'all' else 'j <= i'}",
+        where=_where(node),
+        shape=tuple(_hint(s) for s in value.shape),
+        dtype=value.dtype,
+        nbytes=value.untyped_storage().nbytes(),
+    )
+
+
 # --------------------------------------------------------------------------- op matching
 
 # Parameter names of each recognised function or Tensor method, in positional order.
@@ -441,6 +682,8 @@ _DIV = ("input", "other", "rounding_mode")
 _UNARY = ("input",)
 _WITH_INPLACE = ("input", "inplace")
 _POW = ("input", "exponent")
+_WHERE = ("condition", "input", "other")
+_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _UNARY_NAMES = ("tanh", "exp", "sigmoid", "neg", "rsqrt", "sqrt", "relu")
 
 _FUNCTIONS: dict[Callable, tuple[str, tuple[str, ...]]] = {
@@ -469,6 +712,8 @@ _FUNCTIONS: dict[Callable, tuple[str, tuple[str, ...]]] = {
     F.silu: ("silu", _WITH_INPLACE),
     F.gelu: ("gelu", ("input", "approximate")),
     torch.pow: ("pow", _POW),
+    torch.where: ("where", _WHERE),
+    F.scaled_dot_product_attention: ("sdpa", _SDPA),
     **{getattr(torch, name): (name, _UNARY) for name in _UNARY_NAMES},
 }
 
@@ -481,6 +726,7 @@ _METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mul": ("mul", _BINARY),
     "div": ("div", _DIV),
     "pow": ("pow", _POW),
+    "where": ("where", ("input", "condition", "other")),
     **{name: (name, _UNARY) for name in _UNARY_NAMES},
 }
 
@@ -502,6 +748,11 @@ _DEFAULTS: dict[str, dict[str, object]] = {
     "silu": {"inplace": False},
     "gelu": {"approximate": "none"},
     "pow": {},
+    "where": {},
+    "sdpa": {
+        "attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+        "enable_gqa": False,
+    },
     **{name: {} for name in _UNARY_NAMES if name != "relu"},
 }
 
@@ -565,52 +816,92 @@ def _is_conversion(node: fx.Node, src: fx.Node) -> bool:
     )
 
 
-def _softmax_inputs(x: fx.Node):
-    """Ways to read softmax's input x as base * scale + mask: (base, scale, mask, folded
-    nodes in graph order), the most folded first. Folded nodes are used only by the next."""
-    found = [(x, None, None, [])]
-    for p, mask in _split_mask(x):
-        found.append((p, None, mask, [x]))
+def _softmax_inputs(x: fx.Node, constants: _Constants):
+    """Ways to read softmax's input x as base * scale + mask: (base, scale, mask, causal,
+    folded nodes in graph order), the most folded first. mask is an additive mask node or
+    None; causal says the mask (folded) keeps exactly j <= i. Folded nodes are used only by
+    the next."""
+    found = [(x, None, None, False, [])]
+    for p, mask, causal in _split_mask(x, constants):
+        found.append((p, None, mask, causal, [x]))
         split = _split_scale(p)
         if split is not None:
             base, scale = split
-            found.append((base, scale, mask, [p, x]))
+            found.append((base, scale, mask, causal, [p, x]))
     split = _split_scale(x)
     if split is not None:
-        found.append((split[0], split[1], None, [x]))
-    return sorted(found, key=lambda c: -len(c[3]))
+        found.append((split[0], split[1], None, False, [x]))
+    return sorted(found, key=lambda c: -len(c[4]))
 
 
-def _split_mask(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
-    """(p, mask) pairs with node == p + mask, p having node's layout; [] if not an add."""
-    m = _match(node, ("add",))
-    if m is None or m[1]["alpha"] != 1 or len(node.users) != 1:
+def _split_mask(node: fx.Node, constants: _Constants) -> list[tuple[fx.Node, fx.Node | None, bool]]:
+    """(p, mask, causal) with node == p masked, p having node's layout: `p + mask` with an
+    additive mask, or a mask that depends on no input and keeps everything (mask None) or
+    exactly the causal part (causal), added or applied as torch.where(keep, p, lowest)."""
+    if len(node.users) != 1:
         return []
-    a, out = m[1], _tensor(node)
+    out = _tensor(node)
+    m = _match(node, ("add", "where"))
+    if m is None or out is None:
+        return []
+    family, a = m
+    if family == "where":
+        p, fill = a["input"], a["other"]
+        kind = constants.mask_kind(a["condition"], out.shape) if _drops(fill, out.dtype) else None
+        candidates = [(p, None)] if kind is not None else []
+    elif a["alpha"] == 1:
+        candidates = [(a["input"], a["other"]), (a["other"], a["input"])]
+    else:
+        candidates = []
     pairs = []
-    for p, mask in ((a["input"], a["other"]), (a["other"], a["input"])):
+    for p, mask in candidates:
         t = _tensor(p)
-        if t is not None and _tensor(mask) is not None and _inplace_ok(t, out, mti_op=True):
-            pairs.append((p, mask))
+        if t is None or not _inplace_ok(t, out, mti_op=True):
+            continue
+        if family == "add":
+            kind = constants.mask_kind(mask, out.shape)
+        if kind is not None:
+            pairs.append((p, None, kind == "causal"))
+        elif _tensor(mask) is not None:
+            pairs.append((p, mask, False))
     return pairs
 
 
+def _drops(fill, dtype: torch.dtype) -> bool:
+    """torch.where(keep, p, fill) with this fill value drops an element from a softmax (its
+    exp underflows to 0): -inf or the lowest finite value of p's dtype or below."""
+    return (
+        isinstance(fill, (int, float))
+        and not isinstance(fill, bool)
+        and dtype.is_floating_point
+        and fill <= torch.finfo(dtype).min
+    )
+
+
 def _split_scale(node: fx.Node) -> tuple[fx.Node, float] | None:
-    """(p, c) with node == p * c for a Python number c, p having node's layout."""
-    m = _match(node, ("mul",))
+    """(p, c) with node == p * c for a Python number c (node == p / d: c = 1 / d), p having
+    node's layout."""
+    m = _match(node, ("mul", "div"))
     if m is None or len(node.users) != 1:
         return None
-    a, out = m[1], _tensor(node)
-    for p, c in ((a["input"], a["other"]), (a["other"], a["input"])):
+    family, a = m
+    out = _tensor(node)
+    if family == "div":
+        d = a["other"]
+        if a["rounding_mode"] is not None or not _is_number(d) or d == 0:
+            return None
+        orders = ((a["input"], 1.0 / d),)
+    else:
+        orders = ((a["input"], a["other"]), (a["other"], a["input"]))
+    for p, c in orders:
         t = _tensor(p)
-        if (
-            isinstance(c, (int, float))
-            and not isinstance(c, bool)
-            and t is not None
-            and _inplace_ok(t, out, mti_op=True)
-        ):
+        if _is_number(c) and t is not None and _inplace_ok(t, out, mti_op=True):
             return p, float(c)
     return None
+
+
+def _is_number(c) -> bool:
+    return isinstance(c, (int, float)) and not isinstance(c, bool)
 
 
 # --------------------------------------------------------------------------- fake values

@@ -3,6 +3,7 @@ the model, PyTorch's own error as the yardstick), never write their inputs or pa
 rewrite exactly the sites where the overwritten tensor is dead."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -154,6 +155,118 @@ def test_inference_mode():
     assert "softmax_" in ops_of(converted)
 
 
+# --------------------------------------------------------------------------- constant masks
+
+
+def _causal(t, x):
+    i = torch.arange(t, device=x.device)
+    return i[:, None] >= i[None, :]
+
+
+def _keeps_all(t, x):  # transformers' bidirectional mask under torch.compile
+    return (torch.arange(t, device=x.device)[None, None, :, None] >= 0).expand(1, 1, t, t)
+
+
+def _additive_causal(t, x):
+    return _zeros(t, x).masked_fill(~_causal(t, x), torch.finfo(x.dtype).min)
+
+
+def _zeros(t, x):
+    return torch.zeros(t, t, dtype=x.dtype, device=x.device)
+
+
+def _sliding_window(t, x):  # constant, but neither everything nor exactly causal
+    i = torch.arange(t, device=x.device)
+    return (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3)
+
+
+def _from_input(t, x):  # depends on the input's values: never read at capture time
+    return (x[:, None, :, :1] > -1.0).expand(-1, 1, t, t)
+
+
+class MaskedAttention(nn.Module):
+    """Attention whose mask forward builds from sizes (or the input), applied as `how`:
+    sdpa (attn_mask), add (additive, scores / sqrt(d)) or where (where(mask, scores, min))."""
+
+    def __init__(self, mask_fn, how):
+        super().__init__()
+        self.mask_fn, self.how = mask_fn, how
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = self.mask_fn(t, x)
+        if self.how == "sdpa":
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            scores = q @ k.transpose(-1, -2)
+            if self.how == "add":
+                scores = scores / (D // HEADS) ** 0.5 + mask
+            else:
+                scores = torch.where(mask, scores * 0.25, torch.finfo(x.dtype).min)
+            o = F.softmax(scores, dim=-1) @ v
+        return self.proj(o.transpose(1, 2).reshape(b, t, D))
+
+
+def _converted_masked(mask_fn, how, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = MaskedAttention(mask_fn, how).to(dtype).eval()
+    return check_converted(model, randn((2, 8, D), dtype, "cpu", seed=1))
+
+
+@pytest.mark.parametrize(
+    "mask_fn, op",
+    [
+        (_causal, "scaled_dot_product_attention(is_causal=True)"),
+        (_keeps_all, "scaled_dot_product_attention"),
+        (_additive_causal, "scaled_dot_product_attention(is_causal=True)"),
+        (_zeros, "scaled_dot_product_attention"),
+    ],
+)
+def test_sdpa_constant_mask_is_dropped(mask_fn, op):
+    """A mask computed from sizes alone that keeps everything (or exactly j <= i) is what
+    eager mode would not pass at all (or pass as is_causal): SDPA then keeps its fast path."""
+    converted = _converted_masked(mask_fn, "sdpa")
+    assert [s.op for s in converted.sites if s.op.startswith("scaled")] == [op]
+
+
+@pytest.mark.parametrize("mask_fn", [_sliding_window, _from_input])
+def test_sdpa_other_masks_are_kept(mask_fn):
+    converted = _converted_masked(mask_fn, "sdpa")
+    assert not [s for s in converted.sites if s.op.startswith("scaled")]
+
+
+@pytest.mark.parametrize(
+    "mask_fn, how, pattern",
+    [
+        (_additive_causal, "add", "div -> add -> softmax (causal mask)"),
+        (_zeros, "add", "div -> add -> softmax"),
+        (_causal, "where", "mul -> where -> softmax (causal mask)"),
+        (_keeps_all, "where", "mul -> where -> softmax"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_folds_constant_mask(mask_fn, how, pattern, dtype):
+    """The scale (a multiplication or a division) and a constant mask fold into softmax_,
+    the mask as causal=True or not at all: no mask tensor is built."""
+    converted = _converted_masked(mask_fn, how, dtype)
+    assert [s.pattern for s in converted.sites if s.op == "softmax_"] == [pattern]
+
+
+def test_softmax_keeps_other_additive_masks():
+    converted = _converted_masked(lambda t, x: _additive_causal(t, x).tril(-3), "add")
+    assert [s.pattern for s in converted.sites if s.op == "softmax_"] == ["div -> add -> softmax"]
+
+
+@pytest.mark.parametrize("mask_fn", [_sliding_window, _from_input])
+def test_where_on_dead_scores_runs_in_place(mask_fn):
+    """torch.where(keep, scores, min) with a mask softmax_ cannot take (its all-masked rows
+    differ) becomes masked_fill_ over the dead scores, then softmax_ over them."""
+    converted = _converted_masked(mask_fn, "where")
+    assert "masked_fill_" in ops_of(converted) and "softmax_" in ops_of(converted)
+
+
 # --------------------------------------------------------------------------- where not to
 
 
@@ -207,6 +320,11 @@ def _chunk_sibling(m, x):
     return torch.softmax(p, -1) * q
 
 
+def _where_target_read_later(m, x):
+    h = m.lin(x)
+    return torch.where(x > 0, h, -1.0) + h
+
+
 def _across_graph_break(m, x):
     h = m.lin(x)
     torch._dynamo.graph_break()  # h is an input of the second graph
@@ -222,6 +340,8 @@ NOT_REWRITTEN = {
     "chunk_sibling": (_chunk_sibling, "softmax_"),
     "across_graph_break": (_across_graph_break, "softmax_"),
     "broadcast_target": (_broadcast_target, "add_"),
+    "where_target_read_later": (_where_target_read_later, "masked_fill_"),
+    "where_into_input": (lambda m, x: torch.where(m.lin(x) > 0, x, 0.0), "masked_fill_"),
     "promoting": (_promoting, "add_"),
     "expanded": (_expanded, "mul_"),
     "non_square": (lambda m, x: F.linear(m.lin(x), m.w[: D // 2]), "linear_"),
@@ -349,3 +469,38 @@ def test_transformers(kind, attn, device):
     if kind == "bert":  # post-norm: the embeddings' norm and two per layer
         assert len(norms) == 1 + 2 * layers
     assert len([s for s in sites if s.op in ("linear_", "square_matmul_")]) == layers
+
+
+class _InputIdsOnly(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).last_hidden_state
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+def test_transformers_without_padding_mask(kind, attn, monkeypatch):
+    """Without attention_mask, eager mode passes SDPA no mask (or is_causal) and eager
+    attention at most a causal one; under torch.compile transformers may build the mask from
+    sizes anyway. No mask tensor reaches SDPA or softmax_ in the converted graphs."""
+    # The package's name `convert` is the function; the module is reached through importlib.
+    convert_module = importlib.import_module("make_torch_inplace.convert")
+    graphs = []
+    rewrite = convert_module._rewrite_graph
+
+    def recording(gm, report=None):
+        sites = rewrite(gm, report)
+        graphs.append(gm.graph)
+        return sites
+
+    monkeypatch.setattr(convert_module, "_rewrite_graph", recording)
+    model, _ = _hf_model(kind, attn)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    check_converted(_InputIdsOnly(model), ids)
+    nodes = [n for g in graphs for n in g.nodes]
+    assert not [n for n in nodes if n.target is F.scaled_dot_product_attention
+                and n.kwargs.get("attn_mask") is not None]
+    assert not [n for n in nodes if n.target is mti.softmax_ and "mask" in n.kwargs]
