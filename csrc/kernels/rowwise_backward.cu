@@ -30,6 +30,7 @@
 
 #include "kernels/reduce.cuh"
 #include "kernels/rowwise.cuh"
+#include "kernels/softmax_rows.cuh"
 
 namespace mti {
 namespace {
@@ -98,20 +99,15 @@ __device__ __forceinline__ void unpack(float (&f)[VEC], const Packed<T, VEC>& p)
 }
 
 template <typename T, MaskKind kMask>
-struct SoftmaxBackwardOp {
+struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
+  using Rows = SoftmaxRows<kMask>;
+  using Rows::log;
+  using Rows::mask_col_stride;
+  using Rows::scale;
   using State = Sum1;
-  using MaskT = std::conditional_t<kMask == MaskKind::kBool, uint8_t, T>;
+  using MaskT = typename Rows::template MaskOf<T>;
   static constexpr bool kHasParams = false;
   static constexpr int kResidentElems = kSoftmaxElems;
-
-  const MaskT* mask;
-  RowIndexer mask_rows;
-  int64_t mask_col_stride;  // 1 whenever VEC > 1
-  float scale;
-  bool log;
-  bool causal;
-  int64_t q_len;
-  int64_t n;
 
   struct Row {
     int64_t limit;  // columns from `limit` on are causally masked
@@ -122,10 +118,7 @@ struct SoftmaxBackwardOp {
   };
 
   __device__ __forceinline__ Row row(int64_t r) const {
-    Row rc;
-    rc.limit = causal ? r % q_len + 1 : n;
-    rc.mask = kMask == MaskKind::kNone ? nullptr : mask + mask_rows.offset(r);
-    return rc;
+    return {this->causal_limit(r), this->template mask_row<T>(r)};
   }
 
   template <int VEC>
@@ -292,8 +285,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     const Col steps = kStream ? static_cast<Col>(ceil_div(end, int64_t{NV} * group * VEC)) : 1;
 
     Packed<T, VEC> yv[NV], gv[NV];
-    State mine = State::identity();
-    for (Col s = 0; s < steps; ++s) {
+    // y's and dy's vectors of step s (once per row when resident, twice when streamed).
+    auto load_step = [&](Col s) {
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const Col c0 = column(s, k);
@@ -302,6 +295,10 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
           gv[k] = load_vec<VEC>(gr, c0, gcs);
         }
       }
+    };
+    State mine = State::identity();
+    for (Col s = 0; s < steps; ++s) {
+      load_step(s);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const Col c0 = column(s, k);
@@ -321,16 +318,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     T* xr = dx ? dx + L.grad_x.row.offset(r) : nullptr;
 
     for (Col s = 0; s < steps; ++s) {
-      if constexpr (kStream) {
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-          const Col c0 = column(s, k);
-          if (c0 < end) {
-            yv[k] = load_vec<VEC>(yr, c0, ycs);
-            gv[k] = load_vec<VEC>(gr, c0, gcs);
-          }
-        }
-      }
+      if constexpr (kStream) load_step(s);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const Col c0 = column(s, k);
@@ -494,25 +482,13 @@ cudaError_t launch_softmax_masked(const T* y, const T* dy, T* dx, const Backward
                                   const void* mask, const MaskLayout& ML,
                                   const SoftmaxParams& params, cudaStream_t stream) {
   using Op = SoftmaxBackwardOp<T, kMask>;
-  using MaskT = typename Op::MaskT;
-  Op op;
-  op.mask = static_cast<const MaskT*>(mask);
-  op.mask_rows = ML.row;
-  op.mask_col_stride = ML.col_stride;
-  op.scale = params.scale;
-  op.log = params.log;
-  op.causal = params.causal;
-  op.q_len = params.q_len;
-  op.n = L.y.n;
+  const Op op{{mask, ML, params, L.y.n}};
   int device = 0;
   DeviceInfo dev;
   const cudaError_t err = current_device(&device, &dev);
   if (err != cudaSuccess) return err;
   const bool aligned =
-      all_rows_aligned(y, dy, dx, L, sizeof(T)) &&
-      (kMask == MaskKind::kNone ||
-       (ML.col_stride == 1 &&
-        rows_aligned(mask, ML.row, sizeof(MaskT), sizeof(MaskT) * kVec<T>)));
+      all_rows_aligned(y, dy, dx, L, sizeof(T)) && op.template mask_vectors_aligned<T>();
   const Launch l = plan_launch<Op, T>(L, aligned, 0, dev.sm_count);
   return launch_paths(y, dy, dx, L, op, l, Partials{nullptr, nullptr}, stream);
 }
