@@ -6,7 +6,7 @@ written."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
@@ -100,6 +100,10 @@ def make_mask(kind, shape, device, dtype, seed, fully_masked_row=False):
 @given(lead=lead_shapes(max_dims=2), n=widths(), seed=seeds, log=st.booleans(),
        scale=st.sampled_from([None, 0.37, 2.0]), mask=st.sampled_from(["none", "bool", "additive"]),
        causal=st.booleans())
+# A 2-element causal row whose correctly rounded float16 outputs do not sum to 1, with
+# grad - sum(grad * y) cancelling: found on an H100 host when softmax's gradient did not
+# divide by sum(y).
+@example(lead=(), n=35, seed=668, log=False, scale=None, mask="additive", causal=True)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_softmax_grads(device, dtype, lead, n, seed, log, scale, mask, causal):

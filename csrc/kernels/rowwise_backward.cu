@@ -54,19 +54,7 @@ constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
 constexpr int kThreadsPerSm = 2048;
 constexpr int64_t kScratchFloor = int64_t{4} << 20;  // bytes of scratch always allowed
 
-// Row sums as reduction states (kernels/reduce.cuh): _rn adds are commutative bitwise.
-struct Sum1 {
-  float a;
-  static __device__ __forceinline__ Sum1 identity() { return {0.f}; }
-  static __device__ __forceinline__ Sum1 combine(const Sum1& x, const Sum1& y) {
-    return {__fadd_rn(x.a, y.a)};
-  }
-  template <class F>
-  __device__ __forceinline__ Sum1 map(F f) const {
-    return {f(a)};
-  }
-};
-
+// Two row sums as a reduction state (kernels/reduce.cuh): _rn adds are commutative bitwise.
 struct Sum2 {
   float a, b;
   static __device__ __forceinline__ Sum2 identity() { return {0.f, 0.f}; }
@@ -104,7 +92,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   using Rows::log;
   using Rows::mask_col_stride;
   using Rows::scale;
-  using State = Sum1;
+  using State = Sum2;  // sum(grad * y) and sum(y); log_softmax: sum(grad)
   using MaskT = typename Rows::template MaskOf<T>;
   static constexpr bool kHasParams = false;
   static constexpr int kResidentElems = kSoftmaxElems;
@@ -114,7 +102,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
     const MaskT* mask;
   };
   struct Fin {
-    float s;  // sum(grad * y), or sum(grad) for log_softmax
+    float s;  // sum(grad * y) / sum(y), or sum(grad) for log_softmax
   };
 
   __device__ __forceinline__ Row row(int64_t r) const {
@@ -125,10 +113,18 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   __device__ __forceinline__ void add(State& s, const float (&y)[VEC], const float (&g)[VEC],
                                       int64_t) const {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) s.a += log ? g[j] : g[j] * y[j];
+    for (int j = 0; j < VEC; ++j) {
+      s.a += log ? g[j] : g[j] * y[j];
+      s.b += y[j];
+    }
   }
 
-  __device__ __forceinline__ Fin finish(const State& total, int64_t) const { return {total.a}; }
+  // Softmax divides by sum(y): the rounded y of a 16-bit output need not sum to 1, and where
+  // grad - s cancels, that error would dominate grad_x. 0 for a row with no active element.
+  __device__ __forceinline__ Fin finish(const State& total, int64_t) const {
+    if (log) return {total.a};
+    return {total.b > 0.f ? total.a / total.b : 0.f};
+  }
 
   // grad_x of one vector into out (no parameter gradients: acc_w, acc_b untouched).
   template <bool kParams, int VEC>

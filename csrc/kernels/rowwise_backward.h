@@ -12,7 +12,7 @@
 
 namespace mti {
 
-// grad_x <- scale * dz per row, dz = y * (grad - sum(grad * y)) (softmax) or
+// grad_x <- scale * dz per row, dz = y * (grad - sum(grad * y) / sum(y)) (softmax) or
 // grad - exp(y) * sum(grad) (params.log), the sums over the whole row; 0 where the element is
 // masked: mask_layout.kind kBool: `mask` bytes == 0; kAdditive: `mask` T values == -inf;
 // params.causal: column j of row r with j > r % params.q_len.
