@@ -528,7 +528,10 @@ _PURE_METHODS = {
     "to", "type", "expand", "view", "reshape", "unsqueeze", "squeeze", "transpose", "permute",
     "contiguous", "bool", "int", "long", "float", "half", "bfloat16", "new_ones", "new_zeros",
     "new_full", "cumsum", "diff", "masked_fill", "logical_not", "logical_and", "logical_or",
-    "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "__invert__",
+    "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "__xor__", "__invert__",
+    # Dynamo may record `a == b` on tensors as a call of the method (torch 2.11 does, for the
+    # packed-sequence test of transformers' masks).
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
 }
 
 

@@ -163,6 +163,12 @@ def _causal(t, x):
     return i[:, None] >= i[None, :]
 
 
+def _causal_by_methods(t, x):  # comparisons as method calls, as Dynamo may record them
+    i = torch.arange(t, device=x.device)
+    same = i[:, None].__eq__(i[:, None])
+    return i[:, None].__ge__(i[None, :]).__and__(same)
+
+
 def _keeps_all(t, x):  # transformers' bidirectional mask under torch.compile
     return (torch.arange(t, device=x.device)[None, None, :, None] >= 0).expand(1, 1, t, t)
 
@@ -219,6 +225,7 @@ def _converted_masked(mask_fn, how, dtype=torch.float32):
     "mask_fn, op",
     [
         (_causal, "scaled_dot_product_attention(is_causal=True)"),
+        (_causal_by_methods, "scaled_dot_product_attention(is_causal=True)"),
         (_keeps_all, "scaled_dot_product_attention"),
         (_additive_causal, "scaled_dot_product_attention(is_causal=True)"),
         (_zeros, "scaled_dot_product_attention"),
