@@ -165,7 +165,8 @@ def norm_case(device, dtype, shape, k, seed, weight, bias):
 # gradient is a cancellation (RMSNorm of one element: rstd * g_hat * (1 - x_hat^2)) in which
 # the rounding already in y outweighs PyTorch's error from x (ops.py documents the
 # precision of recovering x_hat).
-NORM_WIDTHS = tuple(n for n in PATH_WIDTHS + ODD_WIDTHS if n >= 8)
+# 70000: streamed rows whose weight and bias gradient sums no longer fit in shared memory.
+NORM_WIDTHS = tuple(n for n in PATH_WIDTHS + ODD_WIDTHS if n >= 8) + (70000,)
 
 
 @settings(max_examples=examples(40))
@@ -194,10 +195,12 @@ def test_norm_grads_widths(device, dtype, rms, n):
         check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
 
 
+@pytest.mark.parametrize("shape", [(3000, 24), (600, 8200)], ids=["resident", "streamed"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_norm_grads_many_rows(device):
-    """Many rows: the weight and bias gradients sum partials of many groups of rows."""
-    x, normalized, w, b = norm_case(device, F32, (3000, 24), 1, 11, True, True)
+def test_norm_grads_many_rows(device, shape):
+    """Many rows: the weight and bias gradients sum partials of many groups of rows (each
+    CTA sums several rows, in registers when resident, in shared memory when streamed)."""
+    x, normalized, w, b = norm_case(device, F32, shape, 1, 11, True, True)
     check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
 
 

@@ -224,6 +224,7 @@ struct NormBackwardOp {
 struct Partials {
   float* w;  // nullptr: grad_weight not wanted
   float* b;  // nullptr: grad_bias not wanted
+  bool smem_sums = false;  // streaming path: sum in dynamic shared memory, [w?][b?] x n floats
 };
 
 template <class Op, typename T, int VEC, int NV, bool kStream, bool kParams>
@@ -253,17 +254,26 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   float* part_w = kParams && part.w ? part.w + p * n : nullptr;
   float* part_b = kParams && part.b ? part.b + p * n : nullptr;
   float acc_w[NV][VEC], acc_b[NV][VEC];  // resident path's partial sums
+  // The streaming path's sums (one row per CTA there): in shared memory or the scratch rows.
+  // Either way each thread reads and writes only its own columns, so no barrier is needed.
+  extern __shared__ float smem_sums[];
+  float* sum_w = part_w;
+  float* sum_b = part_b;
   if constexpr (kParams) {
 #pragma unroll
     for (int k = 0; k < NV; ++k)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) acc_w[k][j] = acc_b[k][j] = 0.f;
-    if constexpr (kStream) {  // the streaming path sums in the scratch: start it at 0
+    if constexpr (kStream) {
+      if (part.smem_sums) {
+        sum_w = part_w ? smem_sums : nullptr;
+        sum_b = part_b ? smem_sums + (part_w ? n : 0) : nullptr;
+      }
       for (int64_t c = static_cast<int64_t>(t) * VEC; c < n; c += int64_t{group} * VEC) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          if (part_w) part_w[c + j] = 0.f;
-          if (part_b) part_b[c + j] = 0.f;
+          if (sum_w) sum_w[c + j] = 0.f;
+          if (sum_b) sum_b[c + j] = 0.f;
         }
       }
     }
@@ -328,8 +338,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
           op.template grad<true>(out, w, b, yf, gf, c0, rc, fin);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
-            if (part_w) part_w[c0 + j] += w[j];
-            if (part_b) part_b[c0 + j] += b[j];
+            if (sum_w) sum_w[c0 + j] += w[j];
+            if (sum_b) sum_b[c0 + j] += b[j];
           }
         } else {
           op.template grad<kParams>(out, acc_w[k], acc_b[k], yf, gf, c0, rc, fin);
@@ -339,6 +349,17 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     }
   }
 
+  if constexpr (kParams && kStream) {
+    if (part.smem_sums) {
+      for (int64_t c = static_cast<int64_t>(t) * VEC; c < n; c += int64_t{group} * VEC) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          if (part_w) part_w[c + j] = sum_w[c + j];
+          if (part_b) part_b[c + j] = sum_b[c + j];
+        }
+      }
+    }
+  }
   if constexpr (kParams && !kStream) {
     // Every column of the row is owned by one thread of each group; groups that saw no row
     // write zeros.
@@ -414,12 +435,15 @@ struct Launch {
   Shape shape;
   int64_t grid = 0;
   int64_t partial_rows = 0;  // P: scratch rows per wanted parameter gradient
+  int64_t smem_sums_bytes = 0;  // streaming path's parameter gradient sums in shared memory
 };
 
 // `aligned`: every row (and side input) is 16-byte aligned with col_stride 1. With parameter
 // gradients, the grid is capped so that the scratch stays within its bound.
 template <class Op, typename T>
-Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int sm_count) {
+Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays,
+                   const DeviceInfo& dev) {
+  const int sm_count = dev.sm_count;
   Launch l;
   const int64_t n = L.y.n;
   l.vec = aligned && n % kVec<T> == 0;
@@ -433,6 +457,17 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int sm
         std::max(kScratchFloor, L.y.rows * n * static_cast<int64_t>(sizeof(T)) / 4);
     const int64_t per_cta = rows_per_cta * n * param_arrays * static_cast<int64_t>(sizeof(float));
     max_grid = std::min(max_grid, std::max<int64_t>(1, bound / per_cta));
+    // The streaming path sums in shared memory where a CTA's sums fit (two CTAs per
+    // multiprocessor, as the launch bounds ask, or else one); otherwise it adds each row's
+    // into the CTA's scratch rows in global memory, a read-modify-write of 8 bytes per element
+    // and array that made it 3-7x slower on an H100 (N = 8192-16384). 1 KiB stays for the
+    // kernel's static shared memory.
+    const int64_t room = dev.smem_optin - 1024;
+    const int fit = per_cta <= room / 2 ? 2 : per_cta <= room ? 1 : 0;
+    if (l.shape.stream && fit > 0) {
+      l.smem_sums_bytes = per_cta;
+      max_grid = std::min(max_grid, int64_t{sm_count} * fit);  // the CTAs resident at once
+    }
   }
   l.grid = std::max<int64_t>(1, std::min(row_groups, max_grid));
   l.partial_rows = L.y.rows == 0 ? 0 : l.grid * rows_per_cta;
@@ -443,10 +478,19 @@ template <class Op, typename T, int VEC, bool kParams>
 cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L, const Op& op,
                           const Launch& l, const Partials& part, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(l.grid);
-  if (l.shape.stream)
-    backward_kernel<Op, T, VEC, stream_nv(VEC), true, kParams>
-        <<<grid, l.shape.threads, 0, stream>>>(y, dy, dx, L, op, l.shape.tpr, part);
-  else
+  if (l.shape.stream) {
+    const auto kernel = backward_kernel<Op, T, VEC, stream_nv(VEC), true, kParams>;
+    Partials p = part;
+    p.smem_sums = l.smem_sums_bytes > 0;
+    if (p.smem_sums) {
+      const cudaError_t err = cudaFuncSetAttribute(kernel,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(l.smem_sums_bytes));
+      if (err != cudaSuccess) return err;
+    }
+    kernel<<<grid, l.shape.threads, l.smem_sums_bytes, stream>>>(y, dy, dx, L, op, l.shape.tpr,
+                                                                 p);
+  } else
     backward_kernel<Op, T, VEC, resident_nv<Op>(VEC, kParams), false, kParams>
         <<<grid, l.shape.threads, 0, stream>>>(y, dy, dx, L, op, l.shape.tpr, part);
   return cudaGetLastError();
@@ -485,7 +529,7 @@ cudaError_t launch_softmax_masked(const T* y, const T* dy, T* dx, const Backward
   if (err != cudaSuccess) return err;
   const bool aligned =
       all_rows_aligned(y, dy, dx, L, sizeof(T)) && op.template mask_vectors_aligned<T>();
-  const Launch l = plan_launch<Op, T>(L, aligned, 0, dev.sm_count);
+  const Launch l = plan_launch<Op, T>(L, aligned, 0, dev);
   return launch_paths(y, dy, dx, L, op, l, Partials{nullptr, nullptr}, stream);
 }
 
@@ -534,9 +578,9 @@ cudaError_t norm_backward_scratch(const BackwardRows& rows, bool want_weight, bo
   if (err != cudaSuccess) return err;
   // The widest launch (vector path): its grid is capped by the same bound, and the scalar path
   // of the same rows never needs more partial rows than the bound allows either.
-  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/true, arrays, dev.sm_count);
+  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/true, arrays, dev);
   const Launch ls =
-      plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/false, arrays, dev.sm_count);
+      plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/false, arrays, dev);
   *scratch_floats = std::max(l.partial_rows, ls.partial_rows) * rows.y.n * arrays;
   return cudaSuccess;
 }
@@ -560,7 +604,7 @@ cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const Bac
   op.inv_n = 1.f / static_cast<float>(n);
   op.rms = rms;
   const bool aligned = norm_aligned(y, grad, grad_x, rows, weight, bias, sizeof(T));
-  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, aligned, arrays, dev.sm_count);
+  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, aligned, arrays, dev);
   if (l.partial_rows * n * arrays > scratch_floats) return cudaErrorInvalidValue;
   Partials part{nullptr, nullptr};
   if (grad_weight) part.w = scratch;
