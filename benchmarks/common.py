@@ -61,6 +61,9 @@ def _git_commit() -> str:
             text=True,
         ).stdout.strip()
 
+    if os.environ.get("MTI_COMMIT"):
+        # Set by whoever shipped the tree to the GPU machine, whose copy may carry a stale .git.
+        return os.environ["MTI_COMMIT"]
     try:
         commit = git("rev-parse", "--short", "HEAD")
         # Any change to the code marks the tree dirty, new files included, but not the results
@@ -70,8 +73,7 @@ def _git_commit() -> str:
             ":(exclude)benchmarks/results",
         )
     except (OSError, subprocess.CalledProcessError):
-        # A copy of the tree without .git (e.g. shipped to a GPU machine) names its commit here.
-        return os.environ.get("MTI_COMMIT", "unknown")
+        return "unknown"
     return commit + ("+dirty" if dirty else "")
 
 
