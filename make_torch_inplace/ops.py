@@ -97,7 +97,8 @@ def square_matmul_(
     """x[..., K] <- x @ weight (+ bias); x @ weight.T with transpose=True. weight is (K, K).
 
     Scratch memory is bounded by workspace_bytes (default: the global workspace limit); with 0,
-    or when the workspace cannot be allocated, a kernel that needs none is used.
+    with room for chunks of fewer than 8 rows on CUDA (cuBLAS is less accurate on so few), or
+    when the workspace cannot be allocated, a kernel that needs none is used.
     """
     ws = _workspace_limit if workspace_bytes is None else _check_workspace_bytes(workspace_bytes)
     # _needs_autograd spelled out: for a small x this wrapper's Python work is a noticeable

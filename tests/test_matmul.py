@@ -5,7 +5,7 @@ stream and the peak memory of the workspace path."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import make_torch_inplace as mti
@@ -75,6 +75,10 @@ def check_matmul(device, dtype, lead, k, seed, *, transpose, with_bias, mode="de
        st.integers(1, 40), transpose=st.booleans(), with_bias=st.booleans(),
        mode=st.sampled_from(WORKSPACE_MODES), layout=st.sampled_from(ROW_STRIDED_LAYOUTS),
        seed=seeds)
+# A 3-row workspace over 4 rows: cuBLAS's 1-row GEMMs were 2.5x less accurate in fp32 than
+# torch.matmul's (H100); such workspaces now take the zero-workspace kernel.
+@example(lead=(4,), k=1000, transpose=False, with_bias=False, mode="three_rows",
+         layout="contiguous", seed=0)
 def test_square_matmul(device, dtype, lead, k, transpose, with_bias, mode, layout, seed):
     check_matmul(device, dtype, lead, k, seed, transpose=transpose, with_bias=with_bias,
                  mode=mode, layout=layout)
@@ -154,27 +158,28 @@ def test_every_workspace_mode(device):
         assert mti.get_workspace_limit() == mti.ops.DEFAULT_WORKSPACE_LIMIT
 
 
-# Room for two buffers of five rows: on CUDA the chunks alternate between them, each copied
-# back on a side stream while the next GEMM runs; on the CPU, chunks of ten rows in turn.
-def two_buffers_of_five_rows(x):
-    return 2 * 5 * x.shape[-1] * x.element_size()
+# Room for two buffers of eight rows (the fewest that CUDA chunks with cuBLAS rather than
+# taking the zero-workspace kernel): on CUDA the chunks alternate between them, each copied
+# back on a side stream while the next GEMM runs; on the CPU, chunks of 16 rows in turn.
+def two_buffers_of_eight_rows(x):
+    return 2 * 8 * x.shape[-1] * x.element_size()
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "row_padded", "every_other_row"])
-@pytest.mark.parametrize("lead", [(23,), (3, 17)], ids=str)
+@pytest.mark.parametrize("lead", [(37,), (3, 27)], ids=str)
 @pytest.mark.parametrize("k", [13, 40])
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_several_chunks(device, dtype, k, lead, layout):
-    """At least three chunks per block of rows, the last one shorter (23 = 5+5+5+5+3 rows on
-    CUDA, 10+10+3 on the CPU), across one or several strided blocks, with bias and both
-    layouts of W."""
+    """Several chunks per block of rows, the last one shorter (37 = 8+8+8+8+5 rows on CUDA,
+    16+16+5 on the CPU), across one or several strided blocks, with bias and both layouts of
+    W."""
     for transpose in (False, True):
         x = with_layout(randn(lead + (k,), dtype, device, seed=40 + k), layout)
         weight = randn((k, k), dtype, device, seed=41, scale=k**-0.5)
         bias = randn((k,), dtype, device, seed=42)
         check_op(lambda x, *a, **kw: mti.square_matmul_(
-                     x, *a, **kw, workspace_bytes=two_buffers_of_five_rows(x)),
+                     x, *a, **kw, workspace_bytes=two_buffers_of_eight_rows(x)),
                  ref_square_matmul, x, weight, bias, transpose=transpose)
 
 

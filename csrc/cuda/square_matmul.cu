@@ -2,8 +2,8 @@
 //
 // Default: cuBLAS through ATen, a chunk of rows at a time into a workspace of at most
 // workspace_bytes, each chunk copied back over its rows on a side stream while the GEMM of the
-// next chunk runs. With no room for one row, or when the workspace cannot be allocated, the
-// zero-workspace kernel of kernels/square_matmul.cu.
+// next chunk runs. With no room for one row (or for chunks of kMinGemmRows), or when the
+// workspace cannot be allocated, the zero-workspace kernel of kernels/square_matmul.cu.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAEvent.h>
@@ -36,6 +36,11 @@ constexpr int64_t kChunkTargetBytes = 32 << 20;
 // byte of a 2-byte W, so r >= 1024 stays well above the ridge point (about 300 flop/byte for
 // bf16 on H100) where W does not fit in L2 (K = 8192: 128 MiB).
 constexpr int64_t kMinChunkRows = 1024;
+// cuBLAS runs GEMMs of a few rows with kernels that, in fp32, measured 1.8-2.5x the error of
+// torch.matmul's GEMM of all the rows (H100, K = 1000, chunks of 1-2 rows; the zero-workspace
+// kernel: 0.8x). A workspace that allows chunks of fewer rows than this (and than x has) goes
+// to the zero-workspace kernel instead, where K fits it.
+constexpr int64_t kMinGemmRows = 8;
 
 // Copies each chunk back on a side stream, so that the copy of chunk i (memory-bound) runs
 // while the GEMM of chunk i+1 (compute-bound) runs on the caller's stream, the chunks
@@ -124,7 +129,20 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   // The dispatch also refuses float64 (which the plan accepts for the CPU's gradcheck) on
   // every path, before anything is written.
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
+    using T = typename DeviceType<scalar_t>::type;
     SideStreamCopies pipeline(at::cuda::getCurrentCUDAStream());
+    const int64_t chunk_rows =
+        workspace_bytes > 0
+            ? pipeline.schedule(plan.x.rows, plan.k * x.element_size(), workspace_bytes).rows
+            : 0;
+    if (chunk_rows > 0 && chunk_rows < std::min(plan.x.rows, kMinGemmRows)) {
+      int64_t max_k = 0;
+      C10_CUDA_CHECK(square_matmul_zero_ws_max_k<T>(&max_k));
+      if (plan.k <= max_k) {
+        run_zero_workspace<scalar_t>(x, plan, stream, "chunks of so few rows lose accuracy");
+        return;
+      }
+    }
     if (const char* why = square_matmul_with_workspace(x, plan, workspace_bytes, pipeline))
       run_zero_workspace<scalar_t>(x, plan, stream, why);
   });
