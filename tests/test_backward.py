@@ -173,6 +173,9 @@ NORM_WIDTHS = tuple(n for n in PATH_WIDTHS + ODD_WIDTHS if n >= 8) + (70000,)
 @given(lead=lead_shapes(max_dims=2), n=st.integers(8, 64) | st.sampled_from(NORM_WIDTHS),
        seed=seeds, weight=st.booleans(),
        bias=st.booleans(), rms=st.booleans())
+# Found on the H100 when the CUDA norms took rstd from rsqrtf (2 ulp): y's and rstd's extra
+# error doubled grad_x's in this 8-wide row. They now round rstd correctly (__frsqrt_rn).
+@example(lead=(), n=8, seed=86, weight=False, bias=False, rms=False)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_norm_grads(device, dtype, lead, n, seed, weight, bias, rms):

@@ -154,9 +154,11 @@ struct LayerNormOp : NormOpBase<T, MeanM2> {
   using Out = Fin;
 
   __device__ __forceinline__ Fin finish(const MeanM2& t) const {
-    // Biased, as F.layer_norm.
-    const float var = fmaxf(__fdividef(t.m2, static_cast<float>(this->n)), 0.f);
-    return {t.mean, rsqrtf(var + this->eps)};
+    // Biased, as F.layer_norm. IEEE division and a correctly rounded rsqrt (not the 2-ulp
+    // __fdividef / rsqrtf), once per row: the backward recovers x_hat from y and reads rstd,
+    // so their rounding carries into the gradients.
+    const float var = fmaxf(t.m2 / static_cast<float>(this->n), 0.f);
+    return {t.mean, __frsqrt_rn(var + this->eps)};
   }
 
   template <int VEC>
@@ -192,7 +194,7 @@ struct RmsNormOp : NormOpBase<T, SumSq> {
   using Out = Fin;
 
   __device__ __forceinline__ Fin finish(const SumSq& t) const {
-    return {rsqrtf(__fdividef(t.ss, static_cast<float>(this->n)) + this->eps)};
+    return {__frsqrt_rn(t.ss / static_cast<float>(this->n) + this->eps)};  // as LayerNorm's
   }
 
   template <int VEC>
