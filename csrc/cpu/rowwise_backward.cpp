@@ -17,11 +17,12 @@
 namespace mti::cpu {
 namespace {
 
-// dz = y * (dy - sum(dy * y) / sum(y)) (softmax) or dy - exp(y) * sum(dy) (log_softmax), the
-// sums over the whole row; grad_x = dz * scale, 0 where an element is masked (bool mask False,
-// additive mask -inf, or past the causal limit). Softmax divides by sum(y), which is 1 but for
-// rounding: the rounded y of a 16-bit output need not sum to 1, and where dy - s cancels, that
-// error would dominate grad_x.
+// dz = y * (dy - sum(dy * y) / sum(y)) (softmax) or dy - exp(y) * sum(dy) / sum(exp(y))
+// (log_softmax), the sums over the whole row; grad_x = dz * scale, 0 where an element is masked
+// (bool mask False, additive mask -inf, or past the causal limit). The divisions are by 1 but
+// for rounding: the rounded probabilities of a stored output need not sum to 1 (a 16-bit y, or
+// a log-probability's shared offset), and where the difference cancels, that error would
+// dominate grad_x.
 template <typename scalar_t, typename mask_t>
 void softmax_backward_rows(const scalar_t* y, const scalar_t* dy, scalar_t* dx,
                            const BackwardRows& R, const mask_t* mask, const MaskLayout& ML,
@@ -35,14 +36,14 @@ void softmax_backward_rows(const scalar_t* y, const scalar_t* dy, scalar_t* dx,
       scalar_t* xr = dx + R.grad_x.row.offset(r);
       const mask_t* mr = mask ? mask + ML.row.offset(r) : nullptr;
       const int64_t last_active = p.causal ? r % p.q_len : n - 1;  // causal: j <= i
-      acc_t s = 0, sum_y = 0;
+      acc_t s = 0, sum_p = 0;
       for (int64_t j = 0; j < n; ++j) {
         const acc_t g = static_cast<acc_t>(gr[j * R.grad.col_stride]);
         const acc_t yv = static_cast<acc_t>(yr[j * R.y.col_stride]);
         s += p.log ? g : g * yv;
-        sum_y += yv;
+        sum_p += p.log ? std::exp(yv) : yv;
       }
-      if (!p.log) s = sum_y > 0 ? s / sum_y : 0;  // 0: no active element
+      s = sum_p > 0 ? s / sum_p : 0;  // 0: no active element
       const acc_t scale = p.scale;
       for (int64_t j = 0; j < n; ++j) {
         bool active = j <= last_active;

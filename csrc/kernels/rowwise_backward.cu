@@ -92,7 +92,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   using Rows::log;
   using Rows::mask_col_stride;
   using Rows::scale;
-  using State = Sum2;  // sum(grad * y) and sum(y); log_softmax: sum(grad)
+  using State = Sum2;  // sum(grad * y) and sum(y); log_softmax: sum(grad) and sum(exp(y))
   using MaskT = typename Rows::template MaskOf<T>;
   static constexpr bool kHasParams = false;
   static constexpr int kResidentElems = kSoftmaxElems;
@@ -102,7 +102,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
     const MaskT* mask;
   };
   struct Fin {
-    float s;  // sum(grad * y) / sum(y), or sum(grad) for log_softmax
+    float s;  // sum(grad * y) / sum(y), or sum(grad) / sum(exp(y)) for log_softmax
   };
 
   __device__ __forceinline__ Row row(int64_t r) const {
@@ -115,14 +115,14 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       s.a += log ? g[j] : g[j] * y[j];
-      s.b += y[j];
+      s.b += log ? exp_for<T>(y[j]) : y[j];
     }
   }
 
-  // Softmax divides by sum(y): the rounded y of a 16-bit output need not sum to 1, and where
-  // grad - s cancels, that error would dominate grad_x. 0 for a row with no active element.
+  // The division is by 1 but for rounding: the rounded probabilities of a stored output need
+  // not sum to 1 (a 16-bit y, or a log-probability's shared offset), and where grad and s
+  // cancel, that error would dominate grad_x. 0 for a row with no active element.
   __device__ __forceinline__ Fin finish(const State& total, int64_t) const {
-    if (log) return {total.a};
     return {total.b > 0.f ? total.a / total.b : 0.f};
   }
 

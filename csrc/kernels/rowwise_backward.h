@@ -13,9 +13,9 @@
 namespace mti {
 
 // grad_x <- scale * dz per row, dz = y * (grad - sum(grad * y) / sum(y)) (softmax) or
-// grad - exp(y) * sum(grad) (params.log), the sums over the whole row; 0 where the element is
-// masked: mask_layout.kind kBool: `mask` bytes == 0; kAdditive: `mask` T values == -inf;
-// params.causal: column j of row r with j > r % params.q_len.
+// grad - exp(y) * sum(grad) / sum(exp(y)) (params.log), the sums over the whole row; 0 where
+// the element is masked: mask_layout.kind kBool: `mask` bytes == 0; kAdditive: `mask` T values
+// == -inf; params.causal: column j of row r with j > r % params.q_len.
 template <typename T>
 cudaError_t launch_softmax_backward(const T* y, const T* grad, T* grad_x, const BackwardRows& rows,
                                     const void* mask, const MaskLayout& mask_layout,
