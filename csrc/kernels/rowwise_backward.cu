@@ -510,13 +510,12 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays,
         std::max(kScratchFloor, L.y.rows * n * static_cast<int64_t>(sizeof(T)) / 4);
     const int64_t per_cta = rows_per_cta * n * param_arrays * static_cast<int64_t>(sizeof(float));
     max_grid = std::min(max_grid, std::max<int64_t>(1, bound / per_cta));
-    // The streaming path sums in shared memory where a CTA's sums fit (two CTAs per
-    // multiprocessor, as the launch bounds ask, or else one); otherwise it adds each row's
-    // into the CTA's scratch rows in global memory, a read-modify-write of 8 bytes per element
-    // and array that made it 3-7x slower on an H100 (N = 8192-16384). 1 KiB stays for the
-    // kernel's static shared memory.
-    // Where they fit in none, column_sums_kernel sums them in a pass of its own (it measured
-    // 0.05-0.16x of clone-equivalent bandwidth at N = 65536 with the read-modify-write).
+    // Streamed rows sum in shared memory where a CTA's sums fit (two CTAs per multiprocessor,
+    // as the launch bounds ask, or else one; 1 KiB stays for the kernel's static shared
+    // memory). Where they fit in none, column_sums_kernel sums them in a pass of its own. (A
+    // read-modify-write of the CTA's scratch rows in global memory per row, 8 bytes per
+    // element and array, measured 3-7x slower on an H100: 0.05-0.16x of clone-equivalent
+    // bandwidth for LayerNorm at N = 65536.)
     const int64_t room = dev.smem_optin - 1024;
     const int fit = per_cta <= room / 2 ? 2 : per_cta <= room ? 1 : 0;
     if (l.shape.stream && fit > 0) {
@@ -528,8 +527,10 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays,
       const int64_t slices = std::min({ceil_div(int64_t{sm_count} * 8, l.column_tiles),
                                        ceil_div(L.y.rows, int64_t{kSlices}),
                                        bound / (n * param_arrays * int64_t{sizeof(float)})});
-      l.grid = std::max<int64_t>(1, std::min(row_groups, max_grid));
       l.partial_rows = L.y.rows == 0 ? 0 : std::max<int64_t>(1, slices);
+      // backward_kernel then writes grad_x only: no scratch rows bound its grid.
+      l.grid = std::max<int64_t>(
+          1, std::min(row_groups, int64_t{sm_count} * (kThreadsPerSm / l.shape.threads)));
       return l;
     }
   }
