@@ -509,7 +509,6 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays,
     const int64_t bound =
         std::max(kScratchFloor, L.y.rows * n * static_cast<int64_t>(sizeof(T)) / 4);
     const int64_t per_cta = rows_per_cta * n * param_arrays * static_cast<int64_t>(sizeof(float));
-    max_grid = std::min(max_grid, std::max<int64_t>(1, bound / per_cta));
     // Streamed rows sum in shared memory where a CTA's sums fit (two CTAs per multiprocessor,
     // as the launch bounds ask, or else one; 1 KiB stays for the kernel's static shared
     // memory). Where they fit in none, column_sums_kernel sums them in a pass of its own. (A
@@ -518,20 +517,21 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays,
     // bandwidth for LayerNorm at N = 65536.)
     const int64_t room = dev.smem_optin - 1024;
     const int fit = per_cta <= room / 2 ? 2 : per_cta <= room ? 1 : 0;
-    if (l.shape.stream && fit > 0) {
-      l.smem_sums_bytes = per_cta;
-      max_grid = std::min(max_grid, int64_t{sm_count} * fit);  // the CTAs resident at once
-    } else if (l.shape.stream) {
+    if (l.shape.stream && fit == 0) {
       l.column_tiles = ceil_div(n, int64_t{kWarpSize} * vec);
       // Enough CTAs to fill the GPU a few times over, each slice a scratch row within bound.
       const int64_t slices = std::min({ceil_div(int64_t{sm_count} * 8, l.column_tiles),
                                        ceil_div(L.y.rows, int64_t{kSlices}),
                                        bound / (n * param_arrays * int64_t{sizeof(float)})});
-      l.partial_rows = L.y.rows == 0 ? 0 : std::max<int64_t>(1, slices);
       // backward_kernel then writes grad_x only: no scratch rows bound its grid.
-      l.grid = std::max<int64_t>(
-          1, std::min(row_groups, int64_t{sm_count} * (kThreadsPerSm / l.shape.threads)));
+      l.grid = std::max<int64_t>(1, std::min(row_groups, max_grid));
+      l.partial_rows = L.y.rows == 0 ? 0 : std::max<int64_t>(1, slices);
       return l;
+    }
+    max_grid = std::min(max_grid, std::max<int64_t>(1, bound / per_cta));
+    if (l.shape.stream) {
+      l.smem_sums_bytes = per_cta;
+      max_grid = std::min(max_grid, int64_t{sm_count} * fit);  // the CTAs resident at once
     }
   }
   l.grid = std::max<int64_t>(1, std::min(row_groups, max_grid));
