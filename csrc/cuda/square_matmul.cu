@@ -1,7 +1,7 @@
 // CUDA host side of square_matmul_: x[..., K] <- x @ W (or x @ W^T) + bias, over x.
 //
 // Default: cuBLAS through ATen, a chunk of rows at a time into a workspace of at most
-// workspace_bytes, each chunk copied back over its rows on a side stream while the GEMM of the
+// workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over its rows on a side stream while the GEMM of the
 // next chunk runs. With no room for one row (or for chunks of kMinGemmRows), or when the
 // workspace cannot be allocated, the zero-workspace kernel of kernels/square_matmul.cu.
 #include <ATen/ATen.h>
@@ -41,6 +41,25 @@ constexpr int64_t kMinChunkRows = 1024;
 // kernel: 0.8x). A workspace that allows chunks of fewer rows than this (and than x has) goes
 // to the zero-workspace kernel instead, where K fits it.
 constexpr int64_t kMinGemmRows = 8;
+
+// The bytes of workspace to ask the CUDA caching allocator for so that what it counts as
+// allocated stays within workspace_bytes: it rounds every request up to 512 bytes, and it hands
+// out a cached free block of more than 1 MiB whole, uncut, when cutting would leave 1 MiB or
+// less, so a request of over 1 MiB can cost up to 1 MiB more than asked (seen on an H100: a
+// 3 MiB workspace took a 4 MiB block). Requests of at most 1 MiB come from blocks that are cut
+// down to 512 bytes.
+int64_t allocatable_bytes(int64_t workspace_bytes) {
+  constexpr int64_t kRound = 512, kSmall = int64_t{1} << 20;
+  if (workspace_bytes <= kSmall) return workspace_bytes / kRound * kRound;
+  return std::max(kSmall, (workspace_bytes - kSmall) / kRound * kRound);
+}
+
+// The least workspace_bytes whose allocatable_bytes holds `bytes`.
+int64_t workspace_holding(int64_t bytes) {
+  constexpr int64_t kRound = 512, kSmall = int64_t{1} << 20;
+  const int64_t rounded = (bytes + kRound - 1) / kRound * kRound;
+  return rounded <= kSmall ? rounded : rounded + kSmall;
+}
 
 // Copies each chunk back on a side stream, so that the copy of chunk i (memory-bound) runs
 // while the GEMM of chunk i+1 (compute-bound) runs on the caller's stream, the chunks
@@ -111,7 +130,8 @@ void run_zero_workspace(const at::Tensor& x, const MatmulPlan& plan, cudaStream_
   TORCH_CHECK(plan.k <= max_k, "square_matmul_: K=", text(plan.k),
               " is too large for the zero-workspace kernel (max ", text(max_k), " for ",
               x.scalar_type(), " on this GPU), which is used because ", why,
-              "; allow a workspace of at least one row (", text(plan.k * x.element_size()), " bytes)");
+              "; allow a workspace of at least ", text(workspace_holding(plan.k * x.element_size())),
+              " bytes (one row, in the CUDA allocator's granularity)");
   C10_CUDA_CHECK(square_matmul_zero_ws<T>(
       device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
       plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose, stream));
@@ -131,10 +151,9 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
     using T = typename DeviceType<scalar_t>::type;
     SideStreamCopies pipeline(at::cuda::getCurrentCUDAStream());
+    const int64_t budget = allocatable_bytes(workspace_bytes);
     const int64_t chunk_rows =
-        workspace_bytes > 0
-            ? pipeline.schedule(plan.x.rows, plan.k * x.element_size(), workspace_bytes).rows
-            : 0;
+        budget > 0 ? pipeline.schedule(plan.x.rows, plan.k * x.element_size(), budget).rows : 0;
     if (chunk_rows > 0 && chunk_rows < std::min(plan.x.rows, kMinGemmRows)) {
       int64_t max_k = 0;
       C10_CUDA_CHECK(square_matmul_zero_ws_max_k<T>(&max_k));
@@ -143,7 +162,7 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
         return;
       }
     }
-    if (const char* why = square_matmul_with_workspace(x, plan, workspace_bytes, pipeline))
+    if (const char* why = square_matmul_with_workspace(x, plan, budget, pipeline))
       run_zero_workspace<scalar_t>(x, plan, stream, why);
   });
 }
