@@ -7,19 +7,21 @@
 // t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring vectors at a time), NV of them per
 // step; the grid strides over groups of rows.
 //  - resident (kStream false): one step holds the whole row; y and grad are read once into
-//    registers (raw, 16-bit types stay packed), reduced, and grad_x is written from them.
+//    registers (raw, 16-bit types stay packed), reduced, and grad_x is written from them. On
+//    the vector path the next row is staged in shared memory meanwhile (see backward_kernel).
 //  - streaming (kStream true): rows longer than a CTA holds; a first pass over the steps
 //    reduces, a second reads y and grad again (from L2 where the row is still there) and writes.
 // With every col_stride 1, 16-byte aligned rows (and mask rows, weight, bias) and n a multiple
 // of VEC, accesses move 16 bytes (VEC elements); otherwise the same kernel runs with VEC = 1.
 //
-// grad_weight / grad_bias (LayerNorm, RMSNorm): each group of threads sums grad * x_hat and
-// grad over the rows it handles, per column, into its own fp32 row of a scratch [P, n] (P =
-// grid * groups per CTA): in registers on the resident path (a thread owns the same columns in
-// every row), read-modify-written in the scratch by the owning thread on the streaming path.
-// A second kernel adds the P partial rows of each column in a fixed order, so the result does
-// not depend on scheduling. The scratch is bounded by max(kScratchFloor, bytes of grad_x / 4)
-// (grid capped accordingly), which keeps it in L2 for the streaming path's read-modify-writes.
+// grad_weight / grad_bias (LayerNorm, RMSNorm): each group of threads sums grad * t
+// (t = y - bias = x_hat * weight) and grad over the rows it handles, per column, into its own
+// fp32 row of a scratch [P, n] (P = grid * groups per CTA): in registers on the resident path
+// (a thread owns the same columns in every row), in shared memory on the streaming path, or
+// in a column pass of its own (column_sums_kernel) where those sums fit in no CTA's shared
+// memory. A second kernel adds the P partial rows of each column in a fixed order, so the
+// result does not depend on scheduling, and divides grad_weight's by the weight. The scratch
+// is bounded by max(kScratchFloor, bytes of grad_x / 4) (grid capped accordingly).
 #include "kernels/rowwise_backward.h"
 
 #include <cuda_bf16.h>
@@ -54,17 +56,38 @@ constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
 constexpr int kThreadsPerSm = 2048;
 constexpr int64_t kScratchFloor = int64_t{4} << 20;  // bytes of scratch always allowed
 
+// What a backward pass sums its rows in. fp32 rows sum in fp64: in fp32, the rounding of a
+// sum near the row's largest term (a peaked softmax row, a norm row of few columns) reaches
+// grad_x undiminished wherever grad and the sum's mean cancel, which measured up to 4x
+// PyTorch's error (H100, softmax fp32, n = 1000). Products of two fp32 values are exact in
+// fp64. 16-bit rows keep fp32, far finer than their outputs.
+template <typename T>
+using AccOf = std::conditional_t<std::is_same_v<T, float>, double, float>;
+
 // Two row sums as a reduction state (kernels/reduce.cuh): _rn adds are commutative bitwise.
+template <typename A>
 struct Sum2 {
-  float a, b;
-  static __device__ __forceinline__ Sum2 identity() { return {0.f, 0.f}; }
+  A a, b;
+  static __device__ __forceinline__ Sum2 identity() { return {A(0), A(0)}; }
   static __device__ __forceinline__ Sum2 combine(const Sum2& x, const Sum2& y) {
-    return {__fadd_rn(x.a, y.a), __fadd_rn(x.b, y.b)};
+    if constexpr (std::is_same_v<A, double>)
+      return {__dadd_rn(x.a, y.a), __dadd_rn(x.b, y.b)};
+    else
+      return {__fadd_rn(x.a, y.a), __fadd_rn(x.b, y.b)};
   }
   template <class F>
   __device__ __forceinline__ Sum2 map(F f) const {
     return {f(a), f(b)};
   }
+};
+
+// v as a float and the rounding error of that, so that x - v is computed as (x - hi) - lo,
+// nearly as accurately as in v's precision (lo is 0 for a float v).
+template <typename A>
+struct Split {
+  float hi, lo;
+  __device__ __forceinline__ explicit Split(A v)
+      : hi(static_cast<float>(v)), lo(static_cast<float>(v - static_cast<A>(hi))) {}
 };
 
 // A vector as fp32. bfloat16 is the top half of a float: two elements per 32-bit word are
@@ -92,7 +115,8 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   using Rows::log;
   using Rows::mask_col_stride;
   using Rows::scale;
-  using State = Sum2;  // sum(grad * y) and sum(y); log_softmax: sum(grad) and sum(exp(y))
+  using Acc = AccOf<T>;
+  using State = Sum2<Acc>;  // sum(grad * y) and sum(y); log_softmax: sum(grad), sum(exp(y))
   using MaskT = typename Rows::template MaskOf<T>;
   static constexpr bool kHasParams = false;
   static constexpr int kResidentElems = kSoftmaxElems;
@@ -102,7 +126,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
     const MaskT* mask;
   };
   struct Fin {
-    float s;  // sum(grad * y) / sum(y), or sum(grad) / sum(exp(y)) for log_softmax
+    Split<Acc> s;  // sum(grad * y) / sum(y), or sum(grad) / sum(exp(y)) for log_softmax
   };
 
   __device__ __forceinline__ Row row(int64_t r) const {
@@ -114,8 +138,9 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
                                       int64_t) const {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      s.a += log ? g[j] : g[j] * y[j];
-      s.b += log ? exp_for<T>(y[j]) : y[j];
+      const Acc gj = g[j], yj = y[j];
+      s.a += log ? gj : gj * yj;
+      s.b += log ? Acc(exp_for<T>(y[j])) : yj;
     }
   }
 
@@ -123,7 +148,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // not sum to 1 (a 16-bit y, or a log-probability's shared offset), and where grad and s
   // cancel, that error would dominate grad_x. 0 for a row with no active element.
   __device__ __forceinline__ Fin finish(const State& total, int64_t) const {
-    return {total.b > 0.f ? total.a / total.b : 0.f};
+    return {Split<Acc>(total.b > Acc(0) ? total.a / total.b : Acc(0))};
   }
 
   // grad_x of one vector into out (no parameter gradients: acc_w, acc_b untouched).
@@ -138,7 +163,13 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
       bool active = c0 + j < rc.limit;
       if constexpr (kMask == MaskKind::kBool) active = active && m.v[j] != 0;
       if constexpr (kMask == MaskKind::kAdditive) active = active && to_float(m.v[j]) != -INFINITY;
-      const float dz = log ? g[j] - exp_for<T>(y[j]) * f.s : y[j] * (g[j] - f.s);
+      float dz;
+      if (log) {
+        const float e = exp_for<T>(y[j]);
+        dz = fmaf(-e, f.s.lo, fmaf(-e, f.s.hi, g[j]));
+      } else {
+        dz = y[j] * ((g[j] - f.s.hi) - f.s.lo);
+      }
       out[j] = active ? dz * scale : 0.f;
     }
   }
@@ -146,14 +177,15 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
 
 template <typename T>
 struct NormBackwardOp {
-  using State = Sum2;  // sum(g_hat), sum(g_hat * x_hat)
+  using Acc = AccOf<T>;
+  using State = Sum2<Acc>;  // sum(g_hat), sum(g_hat * x_hat) = sum(grad * t)
   static constexpr bool kHasParams = true;
   static constexpr int kResidentElems = kParamElems;
 
   const T* weight;  // nullptr or n contiguous elements
   const T* bias;
   const float* rstd;
-  float inv_n;
+  float n;  // the row's length (exact below 2^24, and a mean's rounding past that)
   bool rms;
 
   struct Row {};
@@ -163,56 +195,62 @@ struct NormBackwardOp {
 
   __device__ __forceinline__ Row row(int64_t) const { return {}; }
 
-  // x_hat = (y - bias) / weight (0 where weight == 0) and g_hat = g * weight.
+  // t = y - bias = x_hat * weight, g_hat = grad * weight, and the weight (1 without one).
+  // Everything but grad_x's x_hat term is written with t, so that no element needs a
+  // division: sum(g_hat * x_hat) is sum(grad * t), and grad_weight's column sums of
+  // grad * x_hat are sum(grad * t) / weight, one division per column (sum_partials_kernel).
   template <int VEC>
-  __device__ __forceinline__ void recover(float (&xh)[VEC], float (&gh)[VEC],
-                                          const float (&y)[VEC], const float (&g)[VEC],
-                                          int64_t c0) const {
-    float w[VEC], b[VEC];
+  __device__ __forceinline__ void terms(float (&t)[VEC], float (&gh)[VEC], float (&w)[VEC],
+                                        const float (&y)[VEC], const float (&g)[VEC],
+                                        int64_t c0) const {
+    float b[VEC];
     if (weight) unpack(w, load_vec<VEC>(weight, c0, 1));
     if (bias) unpack(b, load_vec<VEC>(bias, c0, 1));
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      xh[j] = bias ? y[j] - b[j] : y[j];
-      gh[j] = g[j];
-      if (weight) {
-        const float wj = w[j];
-        xh[j] = wj != 0.f ? xh[j] / wj : 0.f;
-        gh[j] *= wj;
-      }
+      if (!weight) w[j] = 1.f;
+      t[j] = bias ? y[j] - b[j] : y[j];
+      gh[j] = g[j] * w[j];
     }
   }
 
   template <int VEC>
   __device__ __forceinline__ void add(State& s, const float (&y)[VEC], const float (&g)[VEC],
                                       int64_t c0) const {
-    float xh[VEC], gh[VEC];
-    recover(xh, gh, y, g, c0);
+    float t[VEC], gh[VEC], w[VEC];
+    terms(t, gh, w, y, g, c0);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       s.a += gh[j];
-      s.b += gh[j] * xh[j];
+      s.b += Acc(g[j]) * Acc(t[j]);
     }
   }
 
   __device__ __forceinline__ Fin finish(const State& total, int64_t r) const {
-    return {rstd[r], rms ? 0.f : total.a * inv_n, total.b * inv_n};
+    return {rstd[r], rms ? 0.f : static_cast<float>(total.a / Acc(n)),
+            static_cast<float>(total.b / Acc(n))};
   }
 
-  // grad_x of one vector into out and, with kParams, its terms of grad_weight (grad * x_hat)
-  // and grad_bias (grad) added to acc_w and acc_b.
+  // grad_x of one vector into out and, with kParams, grad * t and grad added to acc_w and
+  // acc_b (see terms()). x_hat = t / weight, 0 where weight is 0 (y tells nothing of x
+  // there). fp32 divides; 16-bit types, whose outputs round far more coarsely, multiply by
+  // the correctly rounded reciprocal, a fraction of a division's instructions.
   template <bool kParams, int VEC>
   __device__ __forceinline__ void grad(float (&out)[VEC], float (&acc_w)[VEC],
                                        float (&acc_b)[VEC], const float (&y)[VEC],
                                        const float (&g)[VEC], int64_t c0, const Row&,
                                        const Fin& f) const {
-    float xh[VEC], gh[VEC];
-    recover(xh, gh, y, g, c0);
+    float t[VEC], gh[VEC], w[VEC];
+    terms(t, gh, w, y, g, c0);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      out[j] = f.rstd * (gh[j] - f.mean_g - xh[j] * f.mean_gx);
+      const float xh = !weight ? t[j]
+                       : w[j] == 0.f ? 0.f
+                       : sizeof(T) == 4 ? t[j] / w[j]
+                                        : t[j] * __frcp_rn(w[j]);
+      out[j] = f.rstd * (gh[j] - f.mean_g - xh * f.mean_gx);
       if constexpr (kParams) {
-        acc_w[j] += g[j] * xh[j];
+        acc_w[j] += g[j] * t[j];
         acc_b[j] += g[j];
       }
     }
@@ -227,6 +265,14 @@ struct Partials {
   bool smem_sums = false;  // streaming path: sum in dynamic shared memory, [w?][b?] x n floats
 };
 
+// Whether backward_kernel stages rows (see there): resident rows read by 16-byte vectors.
+__host__ __device__ constexpr bool staged_backward(bool stream, int vec) { return !stream && vec > 1; }
+
+// Dynamic shared memory of a resident launch: y's and dy's staged vectors.
+constexpr int64_t staged_backward_bytes(int vec, int nv, int threads) {
+  return staged_backward(false, vec) ? 2 * int64_t{nv} * threads * 16 : 0;
+}
+
 template <class Op, typename T, int VEC, int NV, bool kStream, bool kParams>
 __global__ void __launch_bounds__(kMaxThreads, 2)
     backward_kernel(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
@@ -234,6 +280,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   using State = typename Op::State;
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
+  constexpr bool kStaged = staged_backward(kStream, VEC);
   __shared__ State warp_totals[2][kMaxWarps];
 
   const bool cta_rows = tpr > kWarpSize;
@@ -254,9 +301,11 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   float* part_w = kParams && part.w ? part.w + p * n : nullptr;
   float* part_b = kParams && part.b ? part.b + p * n : nullptr;
   float acc_w[NV][VEC], acc_b[NV][VEC];  // resident path's partial sums
-  // The streaming path's sums (one row per CTA there): in shared memory or the scratch rows.
-  // Either way each thread reads and writes only its own columns, so no barrier is needed.
-  extern __shared__ float smem_sums[];
+  // Dynamic shared memory: the streaming path's sums (one row per CTA there) when they are
+  // not in the scratch rows, or the resident vector path's staged vectors (see kStaged).
+  // Either way each thread reads and writes only its own, so no barrier is needed.
+  extern __shared__ __align__(16) float dynamic_smem[];
+  float* const smem_sums = dynamic_smem;
   float* sum_w = part_w;
   float* sum_b = part_b;
   if constexpr (kParams) {
@@ -279,6 +328,24 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     }
   }
 
+  // kStaged: while a row is reduced and written, the thread's vectors of y and dy of its next
+  // row are already on their way into shared memory (cp.async; NV slots each, laid out as
+  // kernels/rowwise.cuh's StagedVectors). Without it a CTA's loads start only once its
+  // previous row is written, and the memory system idles through every reduction.
+  using Vec = Packed<T, VEC>;
+  Vec* const staged_y = reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x;
+  Vec* const staged_g = staged_y + NV * blockDim.x;
+  auto stage_row = [&](int64_t grp) {
+    const int64_t r = grp * rows_per_cta + sub_row;
+    if (grp >= row_groups || r >= L.y.rows) return;
+    const StepCursor<int, 0> at{t, group};
+    stage_step<NV>(staged_y, static_cast<int>(blockDim.x), y + L.y.row.offset(r), at,
+                   static_cast<int>(n));
+    stage_step<NV>(staged_g, static_cast<int>(blockDim.x), dy + L.grad.row.offset(r), at,
+                   static_cast<int>(n));
+  };
+  if constexpr (kStaged) stage_row(blockIdx.x);
+
   unsigned rows_done = 0;  // picks cta_allreduce's buffer
   for (int64_t grp = blockIdx.x; grp < row_groups; grp += gridDim.x) {
     const int64_t r = grp * rows_per_cta + sub_row;
@@ -290,15 +357,16 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     const typename Op::Row rc = op.row(active ? r : 0);
     const Col steps = kStream ? static_cast<Col>(ceil_div(end, int64_t{NV} * group * VEC)) : 1;
 
-    Packed<T, VEC> yv[NV], gv[NV];
+    Vec yv[NV], gv[NV];
     // y's and dy's vectors of step s (once per row when resident, twice when streamed).
     auto load_step = [&](Col s) {
+      if constexpr (kStaged) cp_async_wait<0>();
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const Col c0 = column(s, k);
         if (c0 < end) {
-          yv[k] = load_vec<VEC>(yr, c0, ycs);
-          gv[k] = load_vec<VEC>(gr, c0, gcs);
+          yv[k] = kStaged ? staged_y[k * blockDim.x] : load_vec<VEC>(yr, c0, ycs);
+          gv[k] = kStaged ? staged_g[k * blockDim.x] : load_vec<VEC>(gr, c0, gcs);
         }
       }
     };
@@ -316,6 +384,9 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         }
       }
     }
+    // `mine` depends on every staged value, so they are all in registers: the slots can take
+    // the next row.
+    if constexpr (kStaged) stage_row(grp + gridDim.x);
     State total = warp_allreduce(mine, cta_rows ? kWarpSize : tpr);
     if (cta_rows) total = cta_allreduce(total, warp_totals[rows_done % 2]);
     ++rows_done;
@@ -377,14 +448,15 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
 }
 
 // out[c] <- sum over p of partials[p * n + c], p in order, for the array blockIdx.y (0:
-// grad_weight when wanted, else grad_bias). Each warp of a CTA sums every kSlices-th partial
-// row for 32 columns, then one warp adds the kSlices sums in order.
+// grad_weight when wanted, else grad_bias); grad_weight's partials sum grad * t, so its sums
+// are divided by weight[c] (0 where that is 0, as x_hat is there). Each warp of a CTA sums
+// every kSlices-th partial row for 32 columns, then one warp adds the kSlices sums in order.
 constexpr int kSlices = kMaxThreads / kWarpSize;
 
 template <typename T>
 __global__ void __launch_bounds__(kMaxThreads)
-    sum_partials_kernel(const Partials part, int64_t partial_rows, int64_t n, T* grad_weight,
-                        T* grad_bias) {
+    sum_partials_kernel(const Partials part, int64_t partial_rows, int64_t n, const T* weight,
+                        T* grad_weight, T* grad_bias) {
   __shared__ float sums[kSlices][kWarpSize];
   const bool weight_array = blockIdx.y == 0 && grad_weight != nullptr;
   const float* src = weight_array ? part.w : part.b;
@@ -401,6 +473,10 @@ __global__ void __launch_bounds__(kMaxThreads)
     float total = sums[0][lane];
 #pragma unroll
     for (int i = 1; i < kSlices; ++i) total += sums[i][lane];
+    if (weight_array) {
+      const float w = to_float(weight[c]);
+      total = w == 0.f ? 0.f : total / w;
+    }
     out[c] = from_float<T>(total);
   }
 }
@@ -425,13 +501,13 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (c0 < n) {
     const int64_t stride = int64_t{gridDim.y} * kSlices;
     for (int64_t r = int64_t{blockIdx.y} * kSlices + slice; r < L.y.rows; r += stride) {
-      float yf[VEC], gf[VEC], xh[VEC], gh[VEC];
+      float yf[VEC], gf[VEC], t[VEC], gh[VEC], w[VEC];
       unpack(yf, load_vec<VEC>(y + L.y.row.offset(r), c0, ycs));
       unpack(gf, load_vec<VEC>(dy + L.grad.row.offset(r), c0, gcs));
-      op.recover(xh, gh, yf, gf, c0);
+      op.terms(t, gh, w, yf, gf, c0);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        acc_w[j] += gf[j] * xh[j];
+        acc_w[j] += gf[j] * t[j];
         acc_b[j] += gf[j];
       }
     }
@@ -481,6 +557,34 @@ Shape pick_shape(int64_t vecs, int nv) {
   return s;
 }
 
+// CTAs of `threads` threads of the resident backward_kernel (VEC, kParams) that fit on the
+// device at once, 0 if the query failed; also lifts the kernel's dynamic shared memory limit
+// past the default 48 KiB where its staged vectors need that. Queried once per device and CTA
+// size; a failed query's error is cleared so that it does not surface as a launch error.
+template <class Op, typename T, int VEC, bool kParams>
+int64_t resident_backward_ctas(int device, int threads, int sm_count) {
+  static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1];  // answer + 1; 0: not asked yet
+  std::atomic<int>* slot = device < kMaxDevices ? &cache[device][threads / kWarpSize] : nullptr;
+  if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
+    return slot->load(std::memory_order_relaxed) - 1;
+  constexpr int NV = resident_nv<Op>(VEC, kParams);
+  const auto kernel = backward_kernel<Op, T, VEC, NV, false, kParams>;
+  const int64_t smem = staged_backward_bytes(VEC, NV, threads);
+  int per_sm = 0;
+  const bool ok =
+      (smem <= 48 * 1024 ||
+       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            static_cast<int>(smem)) == cudaSuccess) &&
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
+                                                    static_cast<size_t>(smem)) == cudaSuccess;
+  if (!ok) {
+    cudaGetLastError();
+    per_sm = 0;
+  }
+  if (slot != nullptr) slot->store(per_sm * sm_count + 1, std::memory_order_relaxed);
+  return int64_t{per_sm} * sm_count;
+}
+
 // How a backward pass is launched: the vector width, the thread shape and the grid.
 struct Launch {
   bool vec = false;
@@ -491,10 +595,12 @@ struct Launch {
   int64_t column_tiles = 0;     // > 0: the sums by column_sums_kernel, P row slices of tiles
 };
 
-// `aligned`: every row (and side input) is 16-byte aligned with col_stride 1. With parameter
-// gradients, the grid is capped so that the scratch stays within its bound.
+// `aligned`: every row (and side input) is 16-byte aligned with col_stride 1. Resident rows
+// run on as many CTAs as fit on the GPU at once, each striding over rows (which its staging
+// needs, and which leaves no partial last wave). With parameter gradients, the grid is
+// capped so that the scratch stays within its bound.
 template <class Op, typename T>
-Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays,
+Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int device,
                    const DeviceInfo& dev) {
   const int sm_count = dev.sm_count;
   Launch l;
@@ -505,6 +611,22 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays,
   const int64_t rows_per_cta = l.shape.tpr > kWarpSize ? 1 : l.shape.threads / l.shape.tpr;
   const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
   int64_t max_grid = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
+  if (!l.shape.stream) {
+    const auto resident = [&](auto vec_const, auto params_const) {
+      return resident_backward_ctas<Op, T, decltype(vec_const)::value,
+                                    decltype(params_const)::value>(device, l.shape.threads,
+                                                                   sm_count);
+    };
+    using Params = std::integral_constant<bool, true>;
+    using NoParams = std::integral_constant<bool, false>;
+    using Vec = std::integral_constant<int, kVec<T>>;
+    using Scalar = std::integral_constant<int, 1>;
+    int64_t fits = l.vec ? resident(Vec{}, NoParams{}) : resident(Scalar{}, NoParams{});
+    if constexpr (Op::kHasParams) {
+      if (param_arrays > 0) fits = l.vec ? resident(Vec{}, Params{}) : resident(Scalar{}, Params{});
+    }
+    if (fits > 0) max_grid = fits;
+  }
   if (param_arrays > 0) {
     const int64_t bound =
         std::max(kScratchFloor, L.y.rows * n * static_cast<int64_t>(sizeof(T)) / 4);
@@ -555,9 +677,13 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     }
     kernel<<<grid, l.shape.threads, l.smem_sums_bytes, stream>>>(y, dy, dx, L, op, l.shape.tpr,
                                                                  p);
-  } else
-    backward_kernel<Op, T, VEC, resident_nv<Op>(VEC, kParams), false, kParams>
-        <<<grid, l.shape.threads, 0, stream>>>(y, dy, dx, L, op, l.shape.tpr, part);
+  } else {
+    constexpr int NV = resident_nv<Op>(VEC, kParams);
+    // resident_backward_ctas, called by plan_launch, has lifted the shared memory limit.
+    backward_kernel<Op, T, VEC, NV, false, kParams>
+        <<<grid, l.shape.threads, staged_backward_bytes(VEC, NV, l.shape.threads), stream>>>(
+            y, dy, dx, L, op, l.shape.tpr, part);
+  }
   return cudaGetLastError();
 }
 
@@ -594,7 +720,7 @@ cudaError_t launch_softmax_masked(const T* y, const T* dy, T* dx, const Backward
   if (err != cudaSuccess) return err;
   const bool aligned =
       all_rows_aligned(y, dy, dx, L, sizeof(T)) && op.template mask_vectors_aligned<T>();
-  const Launch l = plan_launch<Op, T>(L, aligned, 0, dev);
+  const Launch l = plan_launch<Op, T>(L, aligned, 0, device, dev);
   return launch_paths(y, dy, dx, L, op, l, Partials{nullptr, nullptr}, stream);
 }
 
@@ -643,9 +769,10 @@ cudaError_t norm_backward_scratch(const BackwardRows& rows, bool want_weight, bo
   if (err != cudaSuccess) return err;
   // The widest launch (vector path): its grid is capped by the same bound, and the scalar path
   // of the same rows never needs more partial rows than the bound allows either.
-  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/true, arrays, dev);
+  const Launch l =
+      plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/true, arrays, device, dev);
   const Launch ls =
-      plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/false, arrays, dev);
+      plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/false, arrays, device, dev);
   *scratch_floats = std::max(l.partial_rows, ls.partial_rows) * rows.y.n * arrays;
   return cudaSuccess;
 }
@@ -666,10 +793,10 @@ cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const Bac
   op.weight = weight;
   op.bias = bias;
   op.rstd = rstd;
-  op.inv_n = 1.f / static_cast<float>(n);
+  op.n = static_cast<float>(n);
   op.rms = rms;
   const bool aligned = norm_aligned(y, grad, grad_x, rows, weight, bias, sizeof(T));
-  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, aligned, arrays, dev);
+  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, aligned, arrays, device, dev);
   if (l.partial_rows * n * arrays > scratch_floats) return cudaErrorInvalidValue;
   Partials part{nullptr, nullptr};
   if (grad_weight) part.w = scratch;
@@ -690,8 +817,8 @@ cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const Bac
   }
   if (arrays == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(ceil_div(n, kWarpSize)), static_cast<unsigned>(arrays));
-  sum_partials_kernel<T><<<grid, kMaxThreads, 0, stream>>>(part, l.partial_rows, n, grad_weight,
-                                                           grad_bias);
+  sum_partials_kernel<T><<<grid, kMaxThreads, 0, stream>>>(part, l.partial_rows, n, weight,
+                                                           grad_weight, grad_bias);
   return cudaGetLastError();
 }
 
