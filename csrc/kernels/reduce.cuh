@@ -24,12 +24,13 @@ constexpr int kMaxWarps = kMaxThreads / kWarpSize;
 constexpr int kMaxCluster = 16;   // 16 needs the non-portable cluster size opt-in (sm_90)
 
 // Reduces over aligned groups of `width` lanes (a power of two <= 32); every lane of the warp
-// must call it, and every lane ends with its group's total.
+// must call it, and every lane ends with its group's total. Each member of the state travels
+// in its own type (a state of doubles is not rounded to float on the way).
 template <class S>
 __device__ __forceinline__ S warp_allreduce(S s, int width) {
   for (int offset = width / 2; offset > 0; offset /= 2) {
     const S other =
-        s.map([offset](float v) { return __shfl_xor_sync(0xffffffffu, v, offset); });
+        s.map([offset](auto v) { return __shfl_xor_sync(0xffffffffu, v, offset); });
     s = S::combine(s, other);
   }
   return s;

@@ -56,11 +56,11 @@ constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
 constexpr int kThreadsPerSm = 2048;
 constexpr int64_t kScratchFloor = int64_t{4} << 20;  // bytes of scratch always allowed
 
-// What a backward pass sums its rows in. fp32 rows sum in fp64: in fp32, the rounding of a
-// sum near the row's largest term (a peaked softmax row, a norm row of few columns) reaches
-// grad_x undiminished wherever grad and the sum's mean cancel, which measured up to 4x
-// PyTorch's error (H100, softmax fp32, n = 1000). Products of two fp32 values are exact in
-// fp64. 16-bit rows keep fp32, far finer than their outputs.
+// What softmax's backward sums its rows in. fp32 rows sum in fp64: in fp32, the rounding of
+// a sum near a peaked row's largest term reaches grad_x undiminished wherever grad and the
+// sum's mean cancel, which measured up to 4x PyTorch's error (H100, fp32, n = 1000).
+// Products of two fp32 values are exact in fp64. 16-bit rows keep fp32, far finer than their
+// outputs.
 template <typename T>
 using AccOf = std::conditional_t<std::is_same_v<T, float>, double, float>;
 
@@ -177,8 +177,9 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
 
 template <typename T>
 struct NormBackwardOp {
-  using Acc = AccOf<T>;
-  using State = Sum2<Acc>;  // sum(g_hat), sum(g_hat * x_hat) = sum(grad * t)
+  // fp32 sums: in fp64 the fp32 resident kernel, which holds y, dy and two column sums per
+  // element in registers, spills.
+  using State = Sum2<float>;  // sum(g_hat), sum(g_hat * x_hat) = sum(grad * t)
   static constexpr bool kHasParams = true;
   static constexpr int kResidentElems = kParamElems;
 
@@ -222,13 +223,12 @@ struct NormBackwardOp {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       s.a += gh[j];
-      s.b += Acc(g[j]) * Acc(t[j]);
+      s.b += g[j] * t[j];
     }
   }
 
   __device__ __forceinline__ Fin finish(const State& total, int64_t r) const {
-    return {rstd[r], rms ? 0.f : static_cast<float>(total.a / Acc(n)),
-            static_cast<float>(total.b / Acc(n))};
+    return {rstd[r], rms ? 0.f : total.a / n, total.b / n};
   }
 
   // grad_x of one vector into out and, with kParams, grad * t and grad added to acc_w and
