@@ -37,6 +37,18 @@ __device__ __forceinline__ float exp_for<float>(float x) {
   return expf(x);
 }
 
+// 2^x on the special function unit: one MUFU.EX2, which flushes results below 2^-126 to zero.
+// __expf(x) is the non-ftz ex2.approx.f32 of x * kLog2e (the product rounded to nearest),
+// which adds a compare and two predicated multiplies per call to return subnormal results
+// (2^(x/2) squared where x < -126); for x >= -126 (and NaN) it runs the same MUFU.EX2 on the
+// same argument, so ex2_ftz(x * kLog2e) and __expf(x) agree bit for bit there.
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLog2e = 1.4426950216293334961f;
+
 // cp.async (sm_80+): global -> shared copies that complete in the background, tracked per
 // thread in commit groups. Older architectures copy synchronously instead.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/common.cuh"
@@ -100,6 +101,9 @@ struct Add {
 struct Max {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
+struct Min {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fminf(a, b); }
+};
 
 // The Aux of an op that reads nothing but x.
 struct NoAux {};
@@ -115,6 +119,29 @@ __device__ __forceinline__ Packed<T, VEC> load_vec(const T* row, Col c0, int64_t
     return p;
   } else {
     return *reinterpret_cast<const Packed<T, VEC>*>(row + c0);
+  }
+}
+
+// A vector as fp32. A bfloat16 is the top half of a float: the two elements of a 32-bit word
+// widen with one shift and one mask (kWidensPairs), where converting them one by one costs a
+// byte permute and a shift for the upper one (and, in the norm backward kernels, the generic
+// conversion's inline asm kept the packed and widened copies alive together and spilled).
+template <typename T, int VEC>
+constexpr bool kWidensPairs = std::is_same_v<T, __nv_bfloat16> && VEC % 2 == 0;
+
+template <int VEC, typename T>
+__device__ __forceinline__ void to_floats(float (&f)[VEC], const Packed<T, VEC>& p) {
+  if constexpr (kWidensPairs<T, VEC>) {
+    uint32_t words[VEC / 2];
+    memcpy(words, &p, sizeof(words));
+#pragma unroll
+    for (int w = 0; w < VEC / 2; ++w) {
+      f[2 * w] = __uint_as_float(words[w] << 16);
+      f[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] = to_float(p.v[j]);
   }
 }
 
@@ -203,6 +230,7 @@ __device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], 
                                                            const StepCursor<Col, kStride>& at,
                                                            Col load_end, Col end) {
   decltype(src(0, Col{})) raw[NV] = {};
+  using T = std::remove_reference_t<decltype(raw[0].v[0])>;
   int cnt[NV];
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
@@ -222,8 +250,17 @@ __device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], 
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int k = k0 + b;
+      if constexpr (kWidensPairs<T, VEC>) {
+        float x[VEC];
+        to_floats(x, raw[k]);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) z[k][j] = j < cnt[k] ? to_float(raw[k].v[j]) : Op::kPad;
+        for (int j = 0; j < VEC; ++j) z[k][j] = kFull || j < cnt[k] ? x[j] : Op::kPad;
+      } else {
+        // Element by element, as to_floats would: the same code in another order cost the
+        // scalar-path kernels up to 12 registers.
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) z[k][j] = j < cnt[k] ? to_float(raw[k].v[j]) : Op::kPad;
+      }
       op.template prepare<VEC>(z[k], aux[b], rc, cnt[k]);
     }
   }

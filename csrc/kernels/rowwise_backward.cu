@@ -90,25 +90,6 @@ struct Split {
       : hi(static_cast<float>(v)), lo(static_cast<float>(v - static_cast<A>(hi))) {}
 };
 
-// A vector as fp32. bfloat16 is the top half of a float: two elements per 32-bit word are
-// widened with a shift and a mask (the generic conversion's inline asm kept the packed and
-// the widened copies alive together and made the norm kernels spill).
-template <int VEC, typename T>
-__device__ __forceinline__ void unpack(float (&f)[VEC], const Packed<T, VEC>& p) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC % 2 == 0) {
-    uint32_t words[VEC / 2];
-    memcpy(words, &p, sizeof(words));
-#pragma unroll
-    for (int w = 0; w < VEC / 2; ++w) {
-      f[2 * w] = __uint_as_float(words[w] << 16);
-      f[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) f[j] = to_float(p.v[j]);
-  }
-}
-
 template <typename T, MaskKind kMask>
 struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   using Rows = SoftmaxRows<kMask>;
@@ -205,8 +186,8 @@ struct NormBackwardOp {
                                         const float (&y)[VEC], const float (&g)[VEC],
                                         int64_t c0) const {
     float b[VEC];
-    if (weight) unpack(w, load_vec<VEC>(weight, c0, 1));
-    if (bias) unpack(b, load_vec<VEC>(bias, c0, 1));
+    if (weight) to_floats(w, load_vec<VEC>(weight, c0, 1));
+    if (bias) to_floats(b, load_vec<VEC>(bias, c0, 1));
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       if (!weight) w[j] = 1.f;
@@ -378,8 +359,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         const Col c0 = column(s, k);
         if (c0 < end) {
           float yf[VEC], gf[VEC];
-          unpack(yf, yv[k]);
-          unpack(gf, gv[k]);
+          to_floats(yf, yv[k]);
+          to_floats(gf, gv[k]);
           op.add(mine, yf, gf, c0);
         }
       }
@@ -401,8 +382,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         const Col c0 = column(s, k);
         if (c0 >= end) continue;
         float yf[VEC], gf[VEC];
-        unpack(yf, yv[k]);
-        unpack(gf, gv[k]);
+        to_floats(yf, yv[k]);
+        to_floats(gf, gv[k]);
         float out[VEC];
         if constexpr (kParams && kStream) {
           float w[VEC] = {}, b[VEC] = {};
@@ -502,8 +483,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     const int64_t stride = int64_t{gridDim.y} * kSlices;
     for (int64_t r = int64_t{blockIdx.y} * kSlices + slice; r < L.y.rows; r += stride) {
       float yf[VEC], gf[VEC], t[VEC], gh[VEC], w[VEC];
-      unpack(yf, load_vec<VEC>(y + L.y.row.offset(r), c0, ycs));
-      unpack(gf, load_vec<VEC>(dy + L.grad.row.offset(r), c0, gcs));
+      to_floats(yf, load_vec<VEC>(y + L.y.row.offset(r), c0, ycs));
+      to_floats(gf, load_vec<VEC>(dy + L.grad.row.offset(r), c0, gcs));
       op.terms(t, gh, w, yf, gf, c0);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {

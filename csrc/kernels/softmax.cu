@@ -112,14 +112,30 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   __device__ __forceinline__ MaxSum local(float (&z)[NV][VEC], Valid) const {
     const float m = fold<NV * VEC>([&](int i) { return z[i / VEC][i % VEC]; }, Max{});
     const float ms = MaxSum::shift(m);
-    const float s = fold<NV * VEC>(
+    if constexpr (sizeof(T) == 2 && VEC > 1) {
+      // __expf (exp_for<T>) pays three instructions per element to return subnormal exps
+      // (see ex2_ftz), which only a chunk with some (z - ms) * kLog2e below -126 has. That
+      // product rounds monotonically in z, so the chunk's smallest z tells, for one min per
+      // element. Chunks with a -inf (masked) element take the __expf loop too. Either way
+      // every exp has the bits of __expf(z - ms). Not on the scalar path (VEC 1), where the
+      // second loop cost up to 50 registers with a mask.
+      const float lo = fold<NV * VEC>([&](int i) { return z[i / VEC][i % VEC]; }, Min{});
+      if ((lo - ms) * kLog2e >= -126.f)
+        return {m, exp_sum(z, ms, [](float d) { return ex2_ftz(d * kLog2e); })};
+    }
+    return {m, exp_sum(z, ms, [](float d) { return exp_for<T>(d); })};
+  }
+
+  // The sum of exp(z - ms) over a chunk; softmax keeps each exp in z.
+  template <int NV, int VEC, class Exp>
+  __device__ __forceinline__ float exp_sum(float (&z)[NV][VEC], float ms, Exp exp) const {
+    return fold<NV * VEC>(
         [&](int i) {
-          const float e = exp_for<T>(z[i / VEC][i % VEC] - ms);
+          const float e = exp(z[i / VEC][i % VEC] - ms);
           if (!log) z[i / VEC][i % VEC] = e;
           return e;
         },
         Add{});
-    return {m, s};
   }
 
   struct Fin {
@@ -156,9 +172,15 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
 
   template <int VEC>
   __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t) const {
+    // One branch on `log` per vector: written as a select per element, it compiled to a
+    // branch and reconvergence per element (4 instructions where softmax needs 1).
+    if (!log) {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j)
-      v[j] = !log ? v[j] * o.factor : o.fin.empty ? 0.f : (v[j] - o.fin.m) - o.fin.log_s;
+      for (int j = 0; j < VEC; ++j) v[j] *= o.factor;
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[j] = o.fin.empty ? 0.f : (v[j] - o.fin.m) - o.fin.log_s;
+    }
   }
 
   __device__ __forceinline__ void save(int64_t, const Fin&) const {}

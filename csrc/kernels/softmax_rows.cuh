@@ -40,8 +40,9 @@ struct SoftmaxRows {
 
   // Columns from this one on are causally masked in row r (n: none).
   __device__ __forceinline__ int64_t causal_limit(int64_t r) const {
+    if (!causal) return n;  // before the 64-bit modulo, which the compiler would not skip
     const int64_t keep = r % q_len + 1;
-    return causal && keep < n ? keep : n;
+    return keep < n ? keep : n;
   }
 
   // Whether the mask (if any) can be read by vectors of kVec<T> elements.
