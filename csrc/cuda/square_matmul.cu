@@ -1,8 +1,8 @@
 // CUDA host side of square_matmul_: x[..., K] <- x @ W (or x @ W^T) + bias, over x.
 //
 // Default: cuBLAS through ATen, a chunk of rows at a time into a workspace of at most
-// workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over its rows on a side stream while the GEMM of the
-// next chunk runs. With no room for one row (or for chunks of kMinGemmRows), or when the
+// workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over its rows on
+// a side stream while the GEMM of the next chunk runs. With no room for one row (or for chunks of kMinGemmRows), or when the
 // workspace cannot be allocated, the zero-workspace kernel of kernels/square_matmul.cu.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -42,6 +42,10 @@ constexpr int64_t kMinChunkRows = 1024;
 // to the zero-workspace kernel instead, where K fits it.
 constexpr int64_t kMinGemmRows = 8;
 
+// The CUDA caching allocator's granularity: requests round up to kAllocRound bytes, and those
+// of more than kAllocSmall come from blocks it may hand out up to kAllocSmall larger.
+constexpr int64_t kAllocRound = 512, kAllocSmall = int64_t{1} << 20;
+
 // The bytes of workspace to ask the CUDA caching allocator for so that what it counts as
 // allocated stays within workspace_bytes: it rounds every request up to 512 bytes, and it hands
 // out a cached free block of more than 1 MiB whole, uncut, when cutting would leave 1 MiB or
@@ -49,16 +53,14 @@ constexpr int64_t kMinGemmRows = 8;
 // 3 MiB workspace took a 4 MiB block). Requests of at most 1 MiB come from blocks that are cut
 // down to 512 bytes.
 int64_t allocatable_bytes(int64_t workspace_bytes) {
-  constexpr int64_t kRound = 512, kSmall = int64_t{1} << 20;
-  if (workspace_bytes <= kSmall) return workspace_bytes / kRound * kRound;
-  return std::max(kSmall, (workspace_bytes - kSmall) / kRound * kRound);
+  if (workspace_bytes <= kAllocSmall) return workspace_bytes / kAllocRound * kAllocRound;
+  return std::max(kAllocSmall, (workspace_bytes - kAllocSmall) / kAllocRound * kAllocRound);
 }
 
 // The least workspace_bytes whose allocatable_bytes holds `bytes`.
 int64_t workspace_holding(int64_t bytes) {
-  constexpr int64_t kRound = 512, kSmall = int64_t{1} << 20;
-  const int64_t rounded = (bytes + kRound - 1) / kRound * kRound;
-  return rounded <= kSmall ? rounded : rounded + kSmall;
+  const int64_t rounded = (bytes + kAllocRound - 1) / kAllocRound * kAllocRound;
+  return rounded <= kAllocSmall ? rounded : rounded + kAllocSmall;
 }
 
 // Copies each chunk back on a side stream, so that the copy of chunk i (memory-bound) runs

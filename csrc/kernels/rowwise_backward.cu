@@ -82,9 +82,11 @@ struct Sum2 {
 };
 
 // v as a float and the rounding error of that, so that x - v is computed as (x - hi) - lo,
-// nearly as accurately as in v's precision (lo is 0 for a float v).
+// nearly as accurately as in v's precision. kLo: whether lo can be nonzero (not for a float
+// v, whose users then skip it).
 template <typename A>
 struct Split {
+  static constexpr bool kLo = !std::is_same_v<A, float>;
   float hi, lo;
   __device__ __forceinline__ explicit Split(A v)
       : hi(static_cast<float>(v)), lo(static_cast<float>(v - static_cast<A>(hi))) {}
@@ -147,9 +149,12 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
       float dz;
       if (log) {
         const float e = exp_for<T>(y[j]);
-        dz = fmaf(-e, f.s.lo, fmaf(-e, f.s.hi, g[j]));
+        dz = fmaf(-e, f.s.hi, g[j]);
+        if constexpr (Split<Acc>::kLo) dz = fmaf(-e, f.s.lo, dz);
       } else {
-        dz = y[j] * ((g[j] - f.s.hi) - f.s.lo);
+        dz = g[j] - f.s.hi;
+        if constexpr (Split<Acc>::kLo) dz -= f.s.lo;
+        dz *= y[j];
       }
       out[j] = active ? dz * scale : 0.f;
     }
@@ -314,16 +319,16 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   // kernels/rowwise.cuh's StagedVectors). Without it a CTA's loads start only once its
   // previous row is written, and the memory system idles through every reduction.
   using Vec = Packed<T, VEC>;
-  Vec* const staged_y = reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x;
-  Vec* const staged_g = staged_y + NV * blockDim.x;
+  const int slot_stride = static_cast<int>(blockDim.x);
+  Vec* const slots_y = reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x;
+  Vec* const slots_g = slots_y + NV * slot_stride;
+  const StagedVectors<VEC, T> staged_y{slots_y, slot_stride}, staged_g{slots_g, slot_stride};
   auto stage_row = [&](int64_t grp) {
     const int64_t r = grp * rows_per_cta + sub_row;
     if (grp >= row_groups || r >= L.y.rows) return;
     const StepCursor<int, 0> at{t, group};
-    stage_step<NV>(staged_y, static_cast<int>(blockDim.x), y + L.y.row.offset(r), at,
-                   static_cast<int>(n));
-    stage_step<NV>(staged_g, static_cast<int>(blockDim.x), dy + L.grad.row.offset(r), at,
-                   static_cast<int>(n));
+    stage_step<NV>(slots_y, slot_stride, y + L.y.row.offset(r), at, static_cast<int>(n));
+    stage_step<NV>(slots_g, slot_stride, dy + L.grad.row.offset(r), at, static_cast<int>(n));
   };
   if constexpr (kStaged) stage_row(blockIdx.x);
 
@@ -346,8 +351,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
       for (int k = 0; k < NV; ++k) {
         const Col c0 = column(s, k);
         if (c0 < end) {
-          yv[k] = kStaged ? staged_y[k * blockDim.x] : load_vec<VEC>(yr, c0, ycs);
-          gv[k] = kStaged ? staged_g[k * blockDim.x] : load_vec<VEC>(gr, c0, gcs);
+          yv[k] = kStaged ? staged_y(k, c0) : load_vec<VEC>(yr, c0, ycs);
+          gv[k] = kStaged ? staged_g(k, c0) : load_vec<VEC>(gr, c0, gcs);
         }
       }
     };
