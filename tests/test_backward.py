@@ -27,6 +27,7 @@ from helpers import (
     ref_log_softmax,
     ref_rms_norm,
     ref_softmax,
+    requires_cuda,
     seeds,
     widths,
     with_layout,
@@ -35,7 +36,8 @@ from helpers import (
 _ops = torch.ops.make_torch_inplace
 F32, F64 = torch.float32, torch.float64
 
-# Widths of the kernels' paths: a few lanes, a warp, a CTA, streamed (> 8192 elements).
+# Widths of the kernels' paths: a few lanes, a warp, a CTA, a cluster of CTAs on sm_90
+# (streamed elsewhere; see CLUSTER_WIDTHS).
 PATH_WIDTHS = (8, 1024, 4096, 8200, 20000)
 
 
@@ -201,11 +203,13 @@ def test_norm_grads_widths(device, dtype, rms, n):
         check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
 
 
-@pytest.mark.parametrize("shape", [(3000, 24), (600, 8200)], ids=["resident", "streamed"])
+@pytest.mark.parametrize("shape", [(3000, 24), (600, 8200), (600, 8201)],
+                         ids=["resident", "cluster", "streamed"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_norm_grads_many_rows(device, shape):
     """Many rows: the weight and bias gradients sum partials of many groups of rows (each
-    CTA sums several rows, in registers when resident, in shared memory when streamed)."""
+    CTA or cluster sums several rows, in registers when resident, in shared memory when
+    streamed: 8201 is odd, so its rows take the scalar path, streamed past 2048)."""
     x, normalized, w, b = norm_case(device, F32, shape, 1, 11, True, True)
     check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
 
@@ -223,6 +227,40 @@ def test_norm_weight_zero_gives_finite_gradients():
     y = mti.layer_norm_(leaf * 1, normalized, wl, b)
     gx, gw = torch.autograd.grad(y, (leaf, wl), torch.randn_like(y))
     assert torch.isfinite(gx).all() and torch.isfinite(gw).all()
+
+
+# --------------------------------------------------------------------------- clusters
+
+# Rows of the resident vector path that one CTA does not hold: on sm_90 a cluster of CTAs
+# holds them (a CTA's share: 4096 fp32 / 8192 16-bit elements, 4096 for 16-bit norms with
+# weight or bias gradients), elsewhere they are streamed. Widths just past one CTA, with full
+# and with mostly idle last CTAs, clusters of 2 to 16 CTAs, and rows past what clusters of 16
+# hold; at least as many rows as fit on an H100 at once (264 CTAs), so each CTA strides over
+# rows through both of its staging buffers.
+CLUSTER_WIDTHS = (4100, 8192, 12288, 16448, 20480, 32768, 36864, 61440, 65536, 131072)
+CLUSTER_OPS = ("softmax", "log_softmax_causal", "layer_norm", "rms_norm", "rms_norm_no_weight")
+
+
+@requires_cuda
+@pytest.mark.parametrize("n", CLUSTER_WIDTHS)
+@pytest.mark.parametrize("op", CLUSTER_OPS)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_grads_cluster_rows(dtype, op, n):
+    shape = (max(20, 1_150_000 // n + 1), n)
+    if op.startswith("rms_norm") or op == "layer_norm":
+        affine = op != "rms_norm_no_weight"
+        x, normalized, w, b = norm_case("cuda", dtype, shape, 1, n, affine, op == "layer_norm")
+        if op == "layer_norm":
+            check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
+        else:
+            check_grads(mti.rms_norm_, ref_rms_norm, x, (normalized, w, 1e-6))
+    elif op == "softmax":
+        x = randn(shape, dtype, "cuda", n, scale=3.0)
+        check_grads(mti.softmax_, ref_softmax, x, scale=0.5,
+                    mask=make_mask("bool", (n,), "cuda", dtype, 5))
+    else:
+        x = randn(shape, dtype, "cuda", n, scale=3.0)
+        check_grads(mti.log_softmax_, ref_log_softmax, x, causal=True)
 
 
 # --------------------------------------------------------------------------- layouts

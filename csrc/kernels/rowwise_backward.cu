@@ -2,24 +2,29 @@
 // and LayerNorm / RMSNorm (with their weight and bias gradients).
 //
 // One kernel serves both ops through a functor (SoftmaxBackwardOp, NormBackwardOp below). A
-// row belongs to a group of `tpr` threads: tpr <= 32 lanes (several rows per CTA) or the whole
-// CTA (tpr == blockDim.x <= kMaxThreads). Thread t of the group owns the row's vectors
-// t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring vectors at a time), NV of them per
-// step; the grid strides over groups of rows.
-//  - resident (kStream false): one step holds the whole row; y and grad are read once into
-//    registers (raw, 16-bit types stay packed), reduced, and grad_x is written from them. On
-//    the vector path the next row is staged in shared memory meanwhile (see backward_kernel).
-//  - streaming (kStream true): rows longer than a CTA holds; a first pass over the steps
+// row belongs to a group of `tpr` threads: tpr <= 32 lanes (several rows per CTA), the whole
+// CTA (tpr == blockDim.x <= kMaxThreads), or on sm_90+ a cluster of `cluster` CTAs of
+// kMaxThreads that reduce over distributed shared memory (kernels/reduce.cuh). Thread t of the
+// group owns the row's vectors t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring
+// vectors at a time), NV of them per step; in a cluster, CTA `rank` owns the rank-th run of
+// kMaxThreads * NV vectors. The grid strides over groups of rows (clusters).
+//  - resident vector rows (16-byte accesses, see below): each thread copies its vectors of y
+//    and dy into shared memory (cp.async), reduces from there and computes grad_x from the
+//    same copy, so y and dy are read from DRAM once. Two buffers: the next row's vectors are
+//    on their way while the current row is reduced and written.
+//  - resident scalar rows (VEC 1): one step in registers, read once.
+//  - streaming (kStream true): rows longer than a cluster holds; a first pass over the steps
 //    reduces, a second reads y and grad again (from L2 where the row is still there) and writes.
 // With every col_stride 1, 16-byte aligned rows (and mask rows, weight, bias) and n a multiple
 // of VEC, accesses move 16 bytes (VEC elements); otherwise the same kernel runs with VEC = 1.
 //
 // grad_weight / grad_bias (LayerNorm, RMSNorm): each group of threads sums grad * t
 // (t = y - bias = x_hat * weight) and grad over the rows it handles, per column, into its own
-// fp32 row of a scratch [P, n] (P = grid * groups per CTA): in registers on the resident path
-// (a thread owns the same columns in every row), in shared memory on the streaming path, or
-// in a column pass of its own (column_sums_kernel) where those sums fit in no CTA's shared
-// memory. A second kernel adds the P partial rows of each column in a fixed order, so the
+// fp32 row of a scratch [P, n] (P = row groups, or clusters, the grid holds at once): in
+// registers on the resident paths (a thread owns the same columns in every row; the CTAs of a
+// cluster each fill their own columns of the cluster's row), in shared memory on the
+// streaming path, or in a column pass of its own (column_sums_kernel) where those sums fit in
+// no CTA's shared memory. A second kernel adds the P partial rows of each column in a fixed order, so the
 // result does not depend on scheduling, and divides grad_weight's by the weight. The scratch
 // is bounded by max(kScratchFloor, bytes of grad_x / 4) (grid capped accordingly).
 #include "kernels/rowwise_backward.h"
@@ -37,20 +42,23 @@
 namespace mti {
 namespace {
 
-// Elements per thread on the resident path. Softmax: y and grad take 32 registers each in
-// fp32 (16-bit types would fit 64 elements there, but their conversions then spill). Norms
-// read weight and bias along, and with grad_weight/grad_bias each thread keeps 2 fp32 sums per
-// element it owns: 16 elements. Streaming: fewer per step, likewise to avoid spills.
-constexpr int kSoftmaxElems = 32;
+// Vectors (of vec elements) per thread on the resident paths. Vector rows wait in shared
+// memory, which bounds them, not registers: kStagedVectors of y and dy per thread and buffer,
+// 64 KiB per CTA of kMaxThreads with both buffers, so that two CTAs fit on an SM (H100: 228
+// KiB; their shares of a row are then 4096 fp32 / 8192 16-bit elements). Registers hold a
+// vector at a time, but for the norms' parameter gradient sums, 2 fp32 per element a thread
+// owns: kParamElems elements. Scalar rows sit in registers, kScalarNV elements. Streaming:
+// kStreamElems per step, fewer than registers would take, to avoid spills.
+constexpr int kStagedVectors = 4;
 constexpr int kParamElems = 16;
 constexpr int kStreamElems = 16;
 
-// Vectors (of vec elements) per thread and step.
-template <class Op>
 constexpr int resident_nv(int vec, bool params) {
-  return vec == 1 ? 8 : (params ? kParamElems : Op::kResidentElems) / vec;
+  return vec == 1                          ? kScalarNV
+         : params && kParamElems / vec < kStagedVectors ? kParamElems / vec
+                                                        : kStagedVectors;
 }
-constexpr int stream_nv(int vec) { return vec == 1 ? 8 : kStreamElems / vec; }
+constexpr int stream_nv(int vec) { return vec == 1 ? kScalarNV : kStreamElems / vec; }
 
 constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
 constexpr int kThreadsPerSm = 2048;
@@ -102,7 +110,6 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   using State = Sum2<Acc>;  // sum(grad * y) and sum(y); log_softmax: sum(grad), sum(exp(y))
   using MaskT = typename Rows::template MaskOf<T>;
   static constexpr bool kHasParams = false;
-  static constexpr int kResidentElems = kSoftmaxElems;
 
   struct Row {
     int64_t limit;  // columns from `limit` on are causally masked
@@ -167,7 +174,6 @@ struct NormBackwardOp {
   // element in registers, spills.
   using State = Sum2<float>;  // sum(g_hat), sum(g_hat * x_hat) = sum(grad * t)
   static constexpr bool kHasParams = true;
-  static constexpr int kResidentElems = kParamElems;
 
   const T* weight;  // nullptr or n contiguous elements
   const T* bias;
@@ -254,39 +260,46 @@ struct Partials {
 // Whether backward_kernel stages rows (see there): resident rows read by 16-byte vectors.
 __host__ __device__ constexpr bool staged_backward(bool stream, int vec) { return !stream && vec > 1; }
 
-// Dynamic shared memory of a resident launch: y's and dy's staged vectors.
+// Dynamic shared memory of a resident launch: two buffers of y's and dy's staged vectors.
 constexpr int64_t staged_backward_bytes(int vec, int nv, int threads) {
-  return staged_backward(false, vec) ? 2 * int64_t{nv} * threads * 16 : 0;
+  return staged_backward(false, vec) ? 2 * 2 * int64_t{nv} * threads * 16 : 0;
 }
 
 template <class Op, typename T, int VEC, int NV, bool kStream, bool kParams>
 __global__ void __launch_bounds__(kMaxThreads, 2)
     backward_kernel(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
-                    const BackwardRows L, const Op op, const int tpr, const Partials part) {
+                    const BackwardRows L, const Op op, const int tpr, const int cluster,
+                    const Partials part) {
   using State = typename Op::State;
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
   constexpr bool kStaged = staged_backward(kStream, VEC);
   __shared__ State warp_totals[2][kMaxWarps];
+  __shared__ ClusterExchange<State> exchange;
 
   const bool cta_rows = tpr > kWarpSize;
   const int group = cta_rows ? static_cast<int>(blockDim.x) : tpr;
   const int t = static_cast<int>(threadIdx.x) % group;
   const int rows_per_cta = static_cast<int>(blockDim.x) / group;
   const int sub_row = static_cast<int>(threadIdx.x) / group;
+  const int rank = static_cast<int>(blockIdx.x) % cluster;
   const int64_t n = L.y.n;
   const int64_t ycs = VEC == 1 ? L.y.col_stride : 1;
   const int64_t gcs = VEC == 1 ? L.grad.col_stride : 1;
   const int64_t xcs = VEC == 1 ? L.grad_x.col_stride : 1;
   const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
-  // Column of vector k of step s of this thread.
-  auto column = [&](Col s, int k) -> Col { return ((s * NV + k) * group + t) * VEC; };
+  const int64_t first_group = blockIdx.x / cluster;
+  const int64_t group_stride = gridDim.x / cluster;
+  // This thread's first vector of the row; vector k of step s is NV * s + k group-widths on.
+  const int v0 = rank * NV * group + t;
+  auto column = [&](Col s, int k) -> Col { return (v0 + (s * NV + k) * group) * VEC; };
 
-  // This group's scratch rows (kParams): row p of the grad_weight and grad_bias partials.
-  const int64_t p = static_cast<int64_t>(blockIdx.x) * rows_per_cta + sub_row;
+  // This group's scratch rows (kParams): row p of the grad_weight and grad_bias partials, of
+  // which a cluster's CTAs each fill their own columns.
+  const int64_t p = first_group * rows_per_cta + sub_row;
   float* part_w = kParams && part.w ? part.w + p * n : nullptr;
   float* part_b = kParams && part.b ? part.b + p * n : nullptr;
-  float acc_w[NV][VEC], acc_b[NV][VEC];  // resident path's partial sums
+  float acc_w[NV][VEC], acc_b[NV][VEC];  // resident paths' partial sums
   // Dynamic shared memory: the streaming path's sums (one row per CTA there) when they are
   // not in the scratch rows, or the resident vector path's staged vectors (see kStaged).
   // Either way each thread reads and writes only its own, so no barrier is needed.
@@ -314,26 +327,39 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     }
   }
 
-  // kStaged: while a row is reduced and written, the thread's vectors of y and dy of its next
-  // row are already on their way into shared memory (cp.async; NV slots each, laid out as
-  // kernels/rowwise.cuh's StagedVectors). Without it a CTA's loads start only once its
-  // previous row is written, and the memory system idles through every reduction.
+  // kStaged: the thread's vectors of y and dy of a row wait in shared memory (NV slots each,
+  // laid out as kernels/rowwise.cuh's StagedVectors) from their read to grad_x's write. Two
+  // buffers, by row parity: a row's copies are started as soon as the buffer is free, when
+  // the row before the previous one is written, so that loads stay in flight through every
+  // reduction and write. Each thread reads only the slots it filled itself: no barrier.
   using Vec = Packed<T, VEC>;
   const int slot_stride = static_cast<int>(blockDim.x);
-  Vec* const slots_y = reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x;
-  Vec* const slots_g = slots_y + NV * slot_stride;
-  const StagedVectors<VEC, T> staged_y{slots_y, slot_stride}, staged_g{slots_g, slot_stride};
-  auto stage_row = [&](int64_t grp) {
-    const int64_t r = grp * rows_per_cta + sub_row;
-    if (grp >= row_groups || r >= L.y.rows) return;
-    const StepCursor<int, 0> at{t, group};
-    stage_step<NV>(slots_y, slot_stride, y + L.y.row.offset(r), at, static_cast<int>(n));
-    stage_step<NV>(slots_g, slot_stride, dy + L.grad.row.offset(r), at, static_cast<int>(n));
+  auto slots = [&](unsigned buffer, int array) {  // array 0: y, 1: dy
+    return reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x +
+           (2 * buffer + array) * NV * slot_stride;
   };
-  if constexpr (kStaged) stage_row(blockIdx.x);
+  // Two cp.async commit groups, empty ones where the group has no such row, so that every
+  // row adds the same number of groups (see cp_async_wait below).
+  auto stage_row = [&](int64_t grp, unsigned buffer) {
+    const int64_t r = grp * rows_per_cta + sub_row;
+    const bool has_row = grp < row_groups && r < L.y.rows;
+    const int end = has_row ? static_cast<int>(n) : 0;
+    const StepCursor<int, 0> at{v0, group};
+    stage_step<NV>(slots(buffer, 0), slot_stride, y + (has_row ? L.y.row.offset(r) : 0), at, end);
+    stage_step<NV>(slots(buffer, 1), slot_stride, dy + (has_row ? L.grad.row.offset(r) : 0), at,
+                   end);
+  };
+  if constexpr (kStaged) {
+    stage_row(first_group, 0);
+    // Clusters exist only on this path: the launcher gives the others cluster == 1.
+    if (cluster > 1) {
+      cluster_exchange_init(exchange);
+      cluster_sync();
+    }
+  }
 
-  unsigned rows_done = 0;  // picks cta_allreduce's buffer
-  for (int64_t grp = blockIdx.x; grp < row_groups; grp += gridDim.x) {
+  unsigned rows_done = 0;  // picks the staging buffer and cta_allreduce's
+  for (int64_t grp = first_group; grp < row_groups; grp += group_stride) {
     const int64_t r = grp * rows_per_cta + sub_row;
     const bool active = r < L.y.rows;
     // Inactive threads (past the last row) take part in the reductions with nothing.
@@ -342,11 +368,21 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     const T* gr = dy + (active ? L.grad.row.offset(r) : 0);
     const typename Op::Row rc = op.row(active ? r : 0);
     const Col steps = kStream ? static_cast<Col>(ceil_div(end, int64_t{NV} * group * VEC)) : 1;
+    const unsigned buffer = rows_done % 2;
+    if constexpr (kStaged) {
+      // The other buffer's last reader, this thread's write of the previous row, has its
+      // values in registers (its stores depend on them): it can take the next row. Then wait
+      // for this row's two groups only.
+      stage_row(grp + group_stride, buffer ^ 1u);
+      cp_async_wait<2>();
+    }
+    const StagedVectors<VEC, T> staged_y{slots(buffer, 0), slot_stride},
+        staged_g{slots(buffer, 1), slot_stride};
 
     Vec yv[NV], gv[NV];
-    // y's and dy's vectors of step s (once per row when resident, twice when streamed).
+    // y's and dy's vectors of step s: from shared memory twice per row when staged, from
+    // global memory once per row (scalar resident rows) or twice (streamed).
     auto load_step = [&](Col s) {
-      if constexpr (kStaged) cp_async_wait<0>();
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const Col c0 = column(s, k);
@@ -370,18 +406,18 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         }
       }
     }
-    // `mine` depends on every staged value, so they are all in registers: the slots can take
-    // the next row.
-    if constexpr (kStaged) stage_row(grp + gridDim.x);
     State total = warp_allreduce(mine, cta_rows ? kWarpSize : tpr);
-    if (cta_rows) total = cta_allreduce(total, warp_totals[rows_done % 2]);
+    if (cta_rows) total = cta_allreduce(total, warp_totals[buffer]);
+    if constexpr (kStaged) {
+      if (cluster > 1) total = cluster_allreduce(total, exchange, rows_done, rank, cluster);
+    }
     ++rows_done;
     if (!active) continue;  // no barrier follows in this iteration
     const typename Op::Fin fin = op.finish(total, r);
     T* xr = dx ? dx + L.grad_x.row.offset(r) : nullptr;
 
     for (Col s = 0; s < steps; ++s) {
-      if constexpr (kStream) load_step(s);
+      if constexpr (kStream || kStaged) load_step(s);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const Col c0 = column(s, k);
@@ -418,8 +454,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     }
   }
   if constexpr (kParams && !kStream) {
-    // Every column of the row is owned by one thread of each group; groups that saw no row
-    // write zeros.
+    // Every column of the row is owned by one thread of each group (cluster); groups that
+    // saw no row write zeros.
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const Col c0 = column(0, k);
@@ -430,6 +466,10 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         if (part_b) part_b[c0 + j] = acc_b[k][j];
       }
     }
+  }
+  // No CTA leaves while another may still send it a total.
+  if constexpr (kStaged) {
+    if (cluster > 1) cluster_sync();
   }
 }
 
@@ -521,70 +561,106 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 // ---------------------------------------------------------------------------- host side
 
-// Threads per row group and CTA for rows of `vecs` vectors, NV per thread when resident.
+// Threads per row group and CTA, and CTAs per row, for rows of `vecs` vectors, NV per thread
+// when resident; rows longer than `max_cluster` CTAs hold are streamed.
 struct Shape {
   int threads = 0;  // CTA size
-  int tpr = 0;      // threads per row (== threads: the CTA's row)
+  int tpr = 0;      // threads per row (== threads: the CTA's, or its cluster's, row)
+  int cluster = 1;  // CTAs per row: > 1 only for resident vector rows on sm_90+
   bool stream = false;
 };
 
-Shape pick_shape(int64_t vecs, int nv) {
+Shape pick_shape(int64_t vecs, int nv, int max_cluster) {
   Shape s;
   if (vecs <= int64_t{kWarpSize} * nv) {
     // The fewest lanes that hold the row: more bytes in flight per thread, fewer shuffles.
     s.tpr = static_cast<int>(next_pow2(ceil_div(vecs, nv)));
     s.threads = kRowsThreads;
-  } else if (vecs <= int64_t{kMaxThreads} * nv) {
-    s.threads = s.tpr = static_cast<int>(round_up(ceil_div(vecs, nv), kWarpSize));
-  } else {
-    s.threads = s.tpr = kMaxThreads;
-    s.stream = true;
+    return s;
   }
+  if (vecs <= int64_t{kMaxThreads} * nv) {
+    s.threads = s.tpr = static_cast<int>(round_up(ceil_div(vecs, nv), kWarpSize));
+    return s;
+  }
+  // As few full CTAs as hold the row (any count: a power of two would leave up to half of
+  // them idle), or streamed.
+  s.threads = s.tpr = kMaxThreads;
+  const int64_t ctas = ceil_div(vecs, int64_t{kMaxThreads} * nv);
+  if (ctas <= max_cluster)
+    s.cluster = static_cast<int>(ctas);
+  else
+    s.stream = true;
   return s;
 }
 
-// CTAs of `threads` threads of the resident backward_kernel (VEC, kParams) that fit on the
-// device at once, 0 if the query failed; also lifts the kernel's dynamic shared memory limit
-// past the default 48 KiB where its staged vectors need that. Queried once per device and CTA
-// size; a failed query's error is cleared so that it does not surface as a launch error.
+const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, true};
+
+// Row groups (CTAs, or clusters of `cluster` CTAs) of `threads` threads of the resident
+// backward_kernel (VEC, kParams) that fit on the device at once; 0 if none fits (the staged
+// rows exceed the shared memory a CTA may have) or the query failed. Clusters need the kernel
+// compiled for sm_90+ (a build without sm_90 code runs older machine code on an H100, which
+// has no cluster reduction). Also lifts the kernel's dynamic shared memory limit past the
+// default 48 KiB, and allows clusters past the portable 8, where the launch needs it. Queried
+// once per device, CTA size and cluster size; a failed query's error is cleared so that it
+// does not surface as a launch error.
 template <class Op, typename T, int VEC, bool kParams>
-int64_t resident_backward_ctas(int device, int threads, int sm_count) {
-  static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1];  // answer + 1; 0: not asked yet
-  std::atomic<int>* slot = device < kMaxDevices ? &cache[device][threads / kWarpSize] : nullptr;
+int64_t resident_backward_units(int device, int threads, int cluster, int sm_count) {
+  static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1][kMaxCluster + 1];  // answer + 1
+  std::atomic<int>* slot =
+      device < kMaxDevices ? &cache[device][threads / kWarpSize][cluster] : nullptr;
   if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
     return slot->load(std::memory_order_relaxed) - 1;
-  constexpr int NV = resident_nv<Op>(VEC, kParams);
+  constexpr int NV = resident_nv(VEC, kParams);
   const auto kernel = backward_kernel<Op, T, VEC, NV, false, kParams>;
   const int64_t smem = staged_backward_bytes(VEC, NV, threads);
-  int per_sm = 0;
-  const bool ok =
-      (smem <= 48 * 1024 ||
-       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            static_cast<int>(smem)) == cudaSuccess) &&
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
-                                                    static_cast<size_t>(smem)) == cudaSuccess;
-  if (!ok) {
-    cudaGetLastError();
-    per_sm = 0;
+  int units = 0;
+  cudaFuncAttributes attr;
+  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
+                  (smem <= 48 * 1024 ||
+                   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)) == cudaSuccess);
+  if (ok && cluster == 1) {
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
+                                                      static_cast<size_t>(smem)) == cudaSuccess)
+      units = per_sm * sm_count;
+  } else if (ok && attr.ptxVersion >= 90 &&
+             (cluster <= 8 ||
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+                  cudaSuccess)) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(cluster));
+    config.blockDim = dim3(static_cast<unsigned>(threads));
+    config.dynamicSmemBytes = static_cast<size_t>(smem);
+    cudaLaunchAttribute dims;
+    dims.id = cudaLaunchAttributeClusterDimension;
+    dims.val.clusterDim.x = static_cast<unsigned>(cluster);
+    dims.val.clusterDim.y = 1;
+    dims.val.clusterDim.z = 1;
+    config.attrs = &dims;
+    config.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&units, kernel, &config) != cudaSuccess) units = 0;
   }
-  if (slot != nullptr) slot->store(per_sm * sm_count + 1, std::memory_order_relaxed);
-  return int64_t{per_sm} * sm_count;
+  cudaGetLastError();
+  if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
+  return units;
 }
 
 // How a backward pass is launched: the vector width, the thread shape and the grid.
 struct Launch {
   bool vec = false;
   Shape shape;
-  int64_t grid = 0;
+  int64_t grid = 0;          // CTAs
   int64_t partial_rows = 0;  // P: scratch rows per wanted parameter gradient
   int64_t smem_sums_bytes = 0;  // streaming path's parameter gradient sums in shared memory
   int64_t column_tiles = 0;     // > 0: the sums by column_sums_kernel, P row slices of tiles
 };
 
 // `aligned`: every row (and side input) is 16-byte aligned with col_stride 1. Resident rows
-// run on as many CTAs as fit on the GPU at once, each striding over rows (which its staging
-// needs, and which leaves no partial last wave). With parameter gradients, the grid is
-// capped so that the scratch stays within its bound.
+// run on as many CTAs (clusters) as fit on the GPU at once, each striding over rows (which
+// its staging needs, and which leaves no partial last wave); vector rows that fit on no SM
+// (or in no cluster that fits) are streamed. With parameter gradients, the grid is capped so
+// that the scratch stays within its bound.
 template <class Op, typename T>
 Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int device,
                    const DeviceInfo& dev) {
@@ -593,30 +669,36 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   const int64_t n = L.y.n;
   l.vec = aligned && n % kVec<T> == 0;
   const int vec = l.vec ? kVec<T> : 1;
-  l.shape = pick_shape(ceil_div(n, vec), resident_nv<Op>(vec, param_arrays > 0));
+  const bool params = param_arrays > 0;
+  l.shape = pick_shape(ceil_div(n, vec), resident_nv(vec, params),
+                       l.vec && dev.cluster_launch ? kMaxCluster : 1);
+  // Row groups (CTAs or clusters) the grid may hold.
+  int64_t max_units = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
+  if (!l.shape.stream) {
+    const auto resident = [&](auto params_const) {
+      constexpr bool kParams = decltype(params_const)::value;
+      return l.vec ? resident_backward_units<Op, T, kVec<T>, kParams>(
+                         device, l.shape.threads, l.shape.cluster, sm_count)
+                   : resident_backward_units<Op, T, 1, kParams>(device, l.shape.threads,
+                                                                l.shape.cluster, sm_count);
+    };
+    int64_t fits = 0;
+    if constexpr (Op::kHasParams)
+      fits = params ? resident(std::true_type{}) : resident(std::false_type{});
+    else
+      fits = resident(std::false_type{});
+    if (fits > 0)
+      max_units = fits;
+    else if (l.vec)
+      l.shape = kStreamShape;
+  }
   const int64_t rows_per_cta = l.shape.tpr > kWarpSize ? 1 : l.shape.threads / l.shape.tpr;
   const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
-  int64_t max_grid = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
-  if (!l.shape.stream) {
-    const auto resident = [&](auto vec_const, auto params_const) {
-      return resident_backward_ctas<Op, T, decltype(vec_const)::value,
-                                    decltype(params_const)::value>(device, l.shape.threads,
-                                                                   sm_count);
-    };
-    using Params = std::integral_constant<bool, true>;
-    using NoParams = std::integral_constant<bool, false>;
-    using Vec = std::integral_constant<int, kVec<T>>;
-    using Scalar = std::integral_constant<int, 1>;
-    int64_t fits = l.vec ? resident(Vec{}, NoParams{}) : resident(Scalar{}, NoParams{});
-    if constexpr (Op::kHasParams) {
-      if (param_arrays > 0) fits = l.vec ? resident(Vec{}, Params{}) : resident(Scalar{}, Params{});
-    }
-    if (fits > 0) max_grid = fits;
-  }
-  if (param_arrays > 0) {
+  if (params) {
     const int64_t bound =
         std::max(kScratchFloor, L.y.rows * n * static_cast<int64_t>(sizeof(T)) / 4);
-    const int64_t per_cta = rows_per_cta * n * param_arrays * static_cast<int64_t>(sizeof(float));
+    // Scratch of one row group (a CTA, or a cluster whose CTAs fill one row together).
+    const int64_t per_unit = rows_per_cta * n * param_arrays * static_cast<int64_t>(sizeof(float));
     // Streamed rows sum in shared memory where a CTA's sums fit (two CTAs per multiprocessor,
     // as the launch bounds ask, or else one; 1 KiB stays for the kernel's static shared
     // memory). Where they fit in none, column_sums_kernel sums them in a pass of its own. (A
@@ -624,7 +706,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
     // element and array, measured 3-7x slower on an H100: 0.05-0.16x of clone-equivalent
     // bandwidth for LayerNorm at N = 65536.)
     const int64_t room = dev.smem_optin - 1024;
-    const int fit = per_cta <= room / 2 ? 2 : per_cta <= room ? 1 : 0;
+    const int fit = per_unit <= room / 2 ? 2 : per_unit <= room ? 1 : 0;
     if (l.shape.stream && fit == 0) {
       l.column_tiles = ceil_div(n, int64_t{kWarpSize} * vec);
       // Enough CTAs to fill the GPU a few times over, each slice a scratch row within bound.
@@ -632,18 +714,19 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
                                        ceil_div(L.y.rows, int64_t{kSlices}),
                                        bound / (n * param_arrays * int64_t{sizeof(float)})});
       // backward_kernel then writes grad_x only: no scratch rows bound its grid.
-      l.grid = std::max<int64_t>(1, std::min(row_groups, max_grid));
+      l.grid = std::max<int64_t>(1, std::min(row_groups, max_units));
       l.partial_rows = L.y.rows == 0 ? 0 : std::max<int64_t>(1, slices);
       return l;
     }
-    max_grid = std::min(max_grid, std::max<int64_t>(1, bound / per_cta));
+    max_units = std::min(max_units, std::max<int64_t>(1, bound / per_unit));
     if (l.shape.stream) {
-      l.smem_sums_bytes = per_cta;
-      max_grid = std::min(max_grid, int64_t{sm_count} * fit);  // the CTAs resident at once
+      l.smem_sums_bytes = per_unit;
+      max_units = std::min(max_units, int64_t{sm_count} * fit);  // the CTAs resident at once
     }
   }
-  l.grid = std::max<int64_t>(1, std::min(row_groups, max_grid));
-  l.partial_rows = L.y.rows == 0 ? 0 : l.grid * rows_per_cta;
+  const int64_t units = std::max<int64_t>(1, std::min(row_groups, max_units));
+  l.grid = units * l.shape.cluster;
+  l.partial_rows = L.y.rows == 0 ? 0 : units * rows_per_cta;
   return l;
 }
 
@@ -662,15 +745,28 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
       if (err != cudaSuccess) return err;
     }
     kernel<<<grid, l.shape.threads, l.smem_sums_bytes, stream>>>(y, dy, dx, L, op, l.shape.tpr,
-                                                                 p);
-  } else {
-    constexpr int NV = resident_nv<Op>(VEC, kParams);
-    // resident_backward_ctas, called by plan_launch, has lifted the shared memory limit.
-    backward_kernel<Op, T, VEC, NV, false, kParams>
-        <<<grid, l.shape.threads, staged_backward_bytes(VEC, NV, l.shape.threads), stream>>>(
-            y, dy, dx, L, op, l.shape.tpr, part);
+                                                                 1, p);
+    return cudaGetLastError();
   }
-  return cudaGetLastError();
+  constexpr int NV = resident_nv(VEC, kParams);
+  // resident_backward_units, called by plan_launch, has lifted the shared memory limit and
+  // allowed the cluster size.
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
+  config.dynamicSmemBytes = static_cast<size_t>(staged_backward_bytes(VEC, NV, l.shape.threads));
+  config.stream = stream;
+  cudaLaunchAttribute dims;
+  dims.id = cudaLaunchAttributeClusterDimension;
+  dims.val.clusterDim.x = static_cast<unsigned>(l.shape.cluster);
+  dims.val.clusterDim.y = 1;
+  dims.val.clusterDim.z = 1;
+  config.attrs = &dims;
+  config.numAttrs = l.shape.cluster > 1 ? 1 : 0;
+  const cudaError_t err =
+      cudaLaunchKernelEx(&config, backward_kernel<Op, T, VEC, NV, false, kParams>, y, dy, dx, L,
+                         op, l.shape.tpr, l.shape.cluster, part);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 // Launches the path `l` names; with parameter gradients when `part` holds any.
