@@ -379,18 +379,27 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     const StagedVectors<VEC, T> staged_y{slots(buffer, 0), slot_stride},
         staged_g{slots(buffer, 1), slot_stride};
 
+    // y's and dy's vectors of step s from global memory: once per row (scalar resident rows)
+    // or twice (streamed). Staged rows are read from shared memory vector by vector instead,
+    // twice: all of a step at once would hold y, dy, weight and bias of NV vectors in
+    // registers together.
     Vec yv[NV], gv[NV];
-    // y's and dy's vectors of step s: from shared memory twice per row when staged, from
-    // global memory once per row (scalar resident rows) or twice (streamed).
     auto load_step = [&](Col s) {
+      if constexpr (!kStaged) {
 #pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const Col c0 = column(s, k);
-        if (c0 < end) {
-          yv[k] = kStaged ? staged_y(k, c0) : load_vec<VEC>(yr, c0, ycs);
-          gv[k] = kStaged ? staged_g(k, c0) : load_vec<VEC>(gr, c0, gcs);
+        for (int k = 0; k < NV; ++k) {
+          const Col c0 = column(s, k);
+          if (c0 < end) {
+            yv[k] = load_vec<VEC>(yr, c0, ycs);
+            gv[k] = load_vec<VEC>(gr, c0, gcs);
+          }
         }
       }
+    };
+    // Vector k of the current step as floats.
+    auto widen = [&](float (&yf)[VEC], float (&gf)[VEC], int k, Col c0) {
+      to_floats(yf, kStaged ? staged_y(k, c0) : yv[k]);
+      to_floats(gf, kStaged ? staged_g(k, c0) : gv[k]);
     };
     State mine = State::identity();
     for (Col s = 0; s < steps; ++s) {
@@ -400,8 +409,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         const Col c0 = column(s, k);
         if (c0 < end) {
           float yf[VEC], gf[VEC];
-          to_floats(yf, yv[k]);
-          to_floats(gf, gv[k]);
+          widen(yf, gf, k, c0);
           op.add(mine, yf, gf, c0);
         }
       }
@@ -417,14 +425,13 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     T* xr = dx ? dx + L.grad_x.row.offset(r) : nullptr;
 
     for (Col s = 0; s < steps; ++s) {
-      if constexpr (kStream || kStaged) load_step(s);
+      if constexpr (kStream) load_step(s);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const Col c0 = column(s, k);
         if (c0 >= end) continue;
         float yf[VEC], gf[VEC];
-        to_floats(yf, yv[k]);
-        to_floats(gf, gv[k]);
+        widen(yf, gf, k, c0);
         float out[VEC];
         if constexpr (kParams && kStream) {
           float w[VEC] = {}, b[VEC] = {};
