@@ -136,22 +136,23 @@ __device__ __forceinline__ void store_out(const Args<T>& a, const int64_t* row_o
 // ---------------------------------------------------------------------------------------
 // Tensor-core kernel (fp16/bf16).
 
+// ldmatrix from a shared-memory address (smem_u32): lane l supplies row l % 8 of matrix l / 8.
 template <bool TRANS>
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   if constexpr (TRANS)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p)));
+                 : "r"(addr));
   else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p)));
+                 : "r"(addr));
 }
 
-__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
-               : "r"(smem_u32(p)));
+               : "r"(addr));
 }
 
 // d += a (16x16, row-major fragment) * b (16x8, column-major fragment), fp32 accumulators.
@@ -210,14 +211,15 @@ struct MmaTile {
   static_assert(NT >= 1 && BM % (8 * WARPS_R) == 0, "whole n8 tiles per warp");
 };
 
-// Element offset of (row, col) in a W tile of `cols` columns (32 or 128; row-major): the
+// Element offset of (row, col) in a swizzled tile of COLS 16-bit columns (row-major): the
 // 16-byte chunk index is XORed with bits of the row so that the 8 rows one ldmatrix reads at
-// one chunk fall in 8 distinct bank groups. 64-byte rows (transposed tiles) pair up in 128
-// bytes, so they XOR with (row / 2) % 4; 256-byte rows with row % 8.
-template <bool TRANS>
+// one chunk fall in 8 distinct bank groups. 64-byte rows (kBK columns: transposed W tiles, x
+// tiles) pair up in 128 bytes, so they XOR with (row / 2) % 4; rows of whole 128-byte groups
+// (W tiles [kBK][BN]) with row % 8.
+template <int COLS>
 __device__ __forceinline__ int w_index(int row, int col) {
-  constexpr int COLS = TRANS ? kBK : 128;
-  const int swz = TRANS ? (row >> 1) & 3 : row & 7;
+  static_assert(COLS == kBK || COLS % 64 == 0, "64-byte rows or whole 128-byte groups");
+  const int swz = COLS == kBK ? (row >> 1) & 3 : row & 7;
   return row * COLS + (((col >> 3) ^ swz) << 3) + (col & 7);
 }
 
@@ -231,7 +233,6 @@ __device__ __forceinline__ void load_w_tile(const Args<T>& a, T* dst, int j0, in
   constexpr int V = 16 / sizeof(T);
   constexpr int CHUNKS = ROWS * COLS / V;
   static_assert(CHUNKS % Tile::THREADS == 0, "whole 16-byte chunks per thread");
-  static_assert(Tile::BN == 128, "w_index's layout");
   const int g0 = TRANS ? j0 : k0, c0 = TRANS ? k0 : j0;
   if (a.w_vec) {
 #pragma unroll
@@ -240,13 +241,13 @@ __device__ __forceinline__ void load_w_tile(const Args<T>& a, T* dst, int j0, in
       const int r = c / (COLS / V), col = c % (COLS / V) * V;
       // K is a multiple of V here, so a chunk lies wholly inside or outside W.
       const bool in = g0 + r < a.k && c0 + col < a.k;
-      copy16(dst + w_index<TRANS>(r, col),
+      copy16(dst + w_index<COLS>(r, col),
              in ? a.w + static_cast<int64_t>(g0 + r) * a.k + c0 + col : a.w, in);
     }
   } else {
     for (int e = threadIdx.x; e < ROWS * COLS; e += Tile::THREADS) {
       const int r = e / COLS, col = e % COLS;
-      dst[w_index<TRANS>(r, col)] =
+      dst[w_index<COLS>(r, col)] =
           g0 + r < a.k && c0 + col < a.k
               ? __ldg(a.w + static_cast<int64_t>(g0 + r) * a.k + c0 + col)
               : zero<T>();
@@ -305,9 +306,9 @@ __device__ __forceinline__ void mma_body(const Args<T>& a) {
         const int j = warp_c * 32 + mt * 16 + (mi & 1) * 8;
         const int k = kk + (mi >> 1) * 8;
         if constexpr (TRANS)
-          ldsm_x4<false>(af[mt], wt + w_index<true>(j + mr, k));  // stored [j][k]
+          ldsm_x4<false>(af[mt], smem_u32(wt + w_index<kBK>(j + mr, k)));  // stored [j][k]
         else
-          ldsm_x4<true>(af[mt], wt + w_index<false>(k + mr, j));  // stored [k][j]: transpose
+          ldsm_x4<true>(af[mt], smem_u32(wt + w_index<BN>(k + mr, j)));  // [k][j]: transpose
       }
       // B = x^T: columns are x rows, stored [n][k]; per n8 tile (k 0-7), (k 8-15). Matrices
       // of an x4: (tile nt, k lo), (nt, k hi), (nt + 1, k lo), (nt + 1, k hi).
@@ -316,7 +317,7 @@ __device__ __forceinline__ void mma_body(const Args<T>& a) {
 #pragma unroll
       for (int nt = 0; nt + 1 < NT; nt += 2) {
         uint32_t r[4];
-        ldsm_x4<false>(r, xk + (nt + (mi >> 1)) * 8 * a.ldx);
+        ldsm_x4<false>(r, smem_u32(xk + (nt + (mi >> 1)) * 8 * a.ldx));
         bf[nt][0] = r[0];
         bf[nt][1] = r[1];
         bf[nt + 1][0] = r[2];
@@ -324,7 +325,7 @@ __device__ __forceinline__ void mma_body(const Args<T>& a) {
       }
       if constexpr (NT % 2 == 1) {
         uint32_t r[2];
-        ldsm_x2(r, xk + (NT - 1) * 8 * a.ldx);
+        ldsm_x2(r, smem_u32(xk + (NT - 1) * 8 * a.ldx));
         bf[NT - 1][0] = r[0];
         bf[NT - 1][1] = r[1];
       }
@@ -378,30 +379,44 @@ __global__ void __launch_bounds__(Tile::THREADS)
 // column tiles [r * tpc, (r + 1) * tpc) of those rows (tpc = a.col_tiles_per_block) as an
 // ordinary tiled GEMM: (BM x kBK) tiles of x and (kBK x BN) tiles of W both stream from L2
 // through a kStages-deep cp.async pipeline, and each finished BM x BN tile (bias added,
-// rounded to T) is parked in shared memory. Only after a cluster barrier, when every block
-// of the cluster has read all of the rows' inputs it needs, are the parked tiles written over
-// x. So shared memory holds BM x (K / cluster) outputs instead of BM x K inputs, and a BM of
-// 128 fits at any K up to 8 * 640 (bf16, 227 KB): each 16 KB pair of tiles read from L2
-// feeds BM * BN * kBK multiply-adds (64 flops per byte) whatever K is, where the staging
-// kernel holds 24 rows per block at K = 4096 (24 flops per byte of W).
+// rounded to T) is parked in shared memory, the last one in the pipeline buffers once the
+// main loop no longer needs them. Only after a cluster barrier, when every block of the
+// cluster has read all of the rows' inputs it needs, are the parked tiles written over x.
+// So shared memory holds BM x (K / cluster - BN) outputs instead of BM x K inputs: BM = 128
+// fits any K up to 8 * 768 (bf16, 227 KB), and each 24 KB pair of tiles read from L2 feeds
+// BM * BN * kBK multiply-adds (85 flops per byte) whatever K is, where the staging kernel
+// holds 24 rows per block at K = 4096 (24 flops per byte of W).
+//
+// One block per multiprocessor (8 warps), so the warps hide latency by independent work
+// rather than by numbers: each warp computes a 64-column slice, MT m16 tiles by 8 n8 tiles,
+// which per k16 step is 4 * MT MMAs on MT + 4 ldmatrix.x4 (twice the MMAs per ldmatrix of
+// a 32-column slice, and a third less shared memory read per MMA), and the fragments of the
+// next k16 step load while this step's MMAs run, across W tiles too.
 
 // Pipeline stages of x and W tiles, the parked outputs after them; 8 warps in a 2 x 4 grid,
-// each computing MT m16 tiles (16 rows each) by 4 n8 tiles (32 columns).
+// each computing MT m16 tiles (16 rows each) by NT n8 tiles (64 columns).
 template <int MT_>
 struct StreamTile {
   static constexpr int MT = MT_;
+  static constexpr int NT = 8;
   static constexpr int WARPS_R = 2;
   static constexpr int WARPS_C = 4;
   static constexpr int THREADS = 32 * WARPS_R * WARPS_C;
   static constexpr int BM = 16 * MT * WARPS_R;
-  static constexpr int BN = 32 * WARPS_C;
-  // x tile [BM][kBK] swizzled like a transposed W tile (w_index<true>), then the W tile.
+  static constexpr int BN = 8 * NT * WARPS_C;  // 256, which plan_stream's costs assume
+  // x tile [BM][kBK] swizzled like a transposed W tile (w_index<kBK>), then the W tile.
   static constexpr int X_TILE = BM * kBK;
   static constexpr int STAGE = X_TILE + kBK * BN;
-  // Parked rows: a pitch of tpc * BN + 8 elements, 16 bytes past a multiple of 128 bytes, so
-  // the 8 rows one accumulator store writes start in distinct bank quads.
+  // Parked rows: a pitch of a multiple of BN plus 8 elements, 16 bytes past a multiple of 128
+  // bytes, so the 8 rows one accumulator store writes start in distinct bank quads.
   static constexpr int kOutPad = 8;
+  static constexpr int LAST_LD = BN + kOutPad;  // pitch of the last tile, in the stages
+  // The accumulators and two k16 steps of fragments take 160-240 registers per thread, so
+  // the register file holds one block.
+  static constexpr int kBlocksPerSm = 1;
   static_assert(X_TILE / 8 % THREADS == 0, "whole 16-byte chunks of x per thread");
+  static_assert(kStages * STAGE >= BM * LAST_LD, "the last tile parks in the stages");
+  static_assert(kBK % 32 == 0, "fragment buffers alternate by k16 step parity");
 };
 
 template <typename T>
@@ -424,14 +439,16 @@ __device__ __forceinline__ void cluster_sync() {
 // Needs a.x_vec and a.w_vec (16-byte chunks throughout), so K is a multiple of 8.
 template <typename T, bool TRANS, class Tile>
 __device__ __forceinline__ void stream_body(const Args<T>& a) {
-  constexpr int BM = Tile::BM, BN = Tile::BN, MT = Tile::MT, THREADS = Tile::THREADS;
+  constexpr int BM = Tile::BM, BN = Tile::BN, MT = Tile::MT, NT = Tile::NT;
+  constexpr int THREADS = Tile::THREADS, STAGE = Tile::STAGE;
   constexpr int X_CHUNKS = Tile::X_TILE / 8 / THREADS;  // per thread and tile
+  constexpr int KS = kBK / 16;                          // k16 steps per tile
 
   extern __shared__ __align__(16) unsigned char smem[];
   int64_t* row_off = reinterpret_cast<int64_t*>(smem);
   T* stages = reinterpret_cast<T*>(smem + BM * sizeof(int64_t));
-  T* outs = stages + kStages * Tile::STAGE;
-  const int out_ld = a.col_tiles_per_block * BN + Tile::kOutPad;
+  T* outs = stages + kStages * STAGE;  // all column tiles but the last
+  const int out_ld = (a.col_tiles_per_block - 1) * BN + Tile::kOutPad;
 
   const int rank = blockIdx.x % a.cluster;
   const int64_t row0 = (a.first_block + blockIdx.x / a.cluster) * BM;
@@ -455,119 +472,169 @@ __device__ __forceinline__ void stream_body(const Args<T>& a) {
   for (int i = 0; i < X_CHUNKS; ++i) {
     const int r = xr + i * (THREADS / 4);
     xsrc[i] = r < nrows ? a.x + row_off[r] + xc : nullptr;
-    xdst[i] = w_index<true>(r, xc);
+    xdst[i] = w_index<kBK>(r, xc);
   }
-  auto load = [&](int t) {
-    T* st = stages + (t % kStages) * Tile::STAGE;
-    const int k0 = t % k_tiles * kBK;
+  // Loads the tiles in order, one per call: stage `next` % kStages gets x columns
+  // [next_k0, next_k0 + kBK) and the W tile of output columns [next_j0, next_j0 + BN).
+  int next = 0, next_k0 = 0, next_j0 = ct_begin * BN;
+  auto load_next = [&] {
+    T* st = stages + next % kStages * STAGE;
 #pragma unroll
     for (int i = 0; i < X_CHUNKS; ++i) {
-      const bool in = xsrc[i] != nullptr && k0 + xc < a.k;
-      copy16(st + xdst[i], in ? xsrc[i] + k0 : a.w, in);
+      const bool in = xsrc[i] != nullptr && next_k0 + xc < a.k;
+      copy16(st + xdst[i], in ? xsrc[i] + next_k0 : a.w, in);
     }
-    load_w_tile<T, TRANS, Tile>(a, st + Tile::X_TILE, (ct_begin + t / k_tiles) * BN, k0);
+    load_w_tile<T, TRANS, Tile>(a, st + Tile::X_TILE, next_j0, next_k0);
+    ++next;
+    next_k0 += kBK;
+    if (next_k0 == a.kpad) {
+      next_k0 = 0;
+      next_j0 += BN;
+    }
   };
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < tiles) load(s);
+    if (s < tiles) load_next();
     cp_async_commit();
   }
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warp_r = warp / Tile::WARPS_C, warp_c = warp % Tile::WARPS_C;
   // ldmatrix roles: lane supplies the address of row (lane & 7) of 8x8 matrix (lane >> 3).
+  // A = x rows, stored [m][k]: matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15),
+  // (m 8-15, k 8-15), the m16n8k16 A fragment's order. B = Wv, columns n: matrices
+  // (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) give two n8 tiles' B
+  // fragments. This lane's rows, as byte offsets in a stage: a 64-byte-row tile's swizzle
+  // repeats every 16 rows, so its m16 (x) or n16 (transposed W) tiles lie whole tiles apart,
+  // one offset per k16 step; a [kBK][BN] W tile's swizzle repeats every 8 rows, so its k16
+  // steps lie 16 rows apart, one offset per n16 tile.
   const int mi = lane >> 3, mr = lane & 7;
-  float acc[MT][4][4] = {};
-  for (int t = 0; t < tiles; ++t) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // tile t landed for every thread; buffer (t - 1) % kStages is free
-    if (t + kStages - 1 < tiles) load(t + kStages - 1);
-    cp_async_commit();
+  constexpr int B_OFFS = TRANS ? KS : NT / 2;
+  uint32_t a_off[KS], b_off[B_OFFS];
+#pragma unroll
+  for (int s = 0; s < KS; ++s)
+    a_off[s] = sizeof(T) * w_index<kBK>(warp_r * MT * 16 + (mi & 1) * 8 + mr,
+                                        s * 16 + (mi >> 1) * 8);
+#pragma unroll
+  for (int i = 0; i < B_OFFS; ++i) {
+    // Transposed: W^T row n + mr (+ 16 np), k16 step i; else k row mr (+ 16 s), n16 tile i.
+    const int n = warp_c * NT * 8 + (mi >> 1) * 8;
+    b_off[i] = sizeof(T) * (Tile::X_TILE + (TRANS ? w_index<kBK>(n + mr, i * 16 + (mi & 1) * 8)
+                                                  : w_index<BN>((mi & 1) * 8 + mr, n + i * 16)));
+  }
+  const uint32_t stages_addr = smem_u32(stages);
+  constexpr uint32_t STAGE_BYTES = STAGE * sizeof(T);
+  // Fragments of k16 step s of the stage at shared address st.
+  auto load_frags = [&](uint32_t st, int s, uint32_t(&af)[MT][4], uint32_t(&bf)[NT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      ldsm_x4<false>(af[mt], st + a_off[s] + mt * 16 * kBK * sizeof(T));
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t r[4];
+      if constexpr (TRANS)  // stored [n][k]
+        ldsm_x4<false>(r, st + b_off[s] + np * 16 * kBK * sizeof(T));
+      else  // stored [k][n]: transpose
+        ldsm_x4<true>(r, st + b_off[np] + s * 16 * BN * sizeof(T));
+      bf[2 * np][0] = r[0];
+      bf[2 * np][1] = r[1];
+      bf[2 * np + 1][0] = r[2];
+      bf[2 * np + 1][1] = r[3];
+    }
+  };
 
-    const T* xt = stages + (t % kStages) * Tile::STAGE;
-    const T* wt = xt + Tile::X_TILE;
-    // All fragments of the tile first, so that the loads of the second k16 step are in
-    // flight during the first step's MMAs.
-    uint32_t af[kBK / 16][MT][4], bf[kBK / 16][4][2];
+  float acc[MT][NT][4] = {};
+  // Parks the finished tile of output columns [j0, j0 + BN) at dst (pitch ld) and clears the
+  // accumulators. Accumulator (mt, nt): c[0..1] at (m = g, n = 2q, 2q + 1), c[2..3] at
+  // m = g + 8.
+  auto park = [&](T* dst, int ld, int j0) {
+    const int g = lane >> 2, q = lane & 3;
 #pragma unroll
-    for (int s = 0; s < kBK / 16; ++s) {
-      // A = x rows, stored [m][k]: matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15),
-      // (m 8-15, k 8-15), the m16n8k16 A fragment's order.
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = warp_c * NT * 8 + nt * 8 + 2 * q;
+      const int j = j0 + col;  // output column; K is even, so j + 1 < K too
+      float b0 = 0.f, b1 = 0.f;
+      if (a.bias && j < a.k) {
+        b0 = to_float(__ldg(a.bias + j));
+        b1 = to_float(__ldg(a.bias + j + 1));
+      }
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        ldsm_x4<false>(af[s][mt], xt + w_index<true>((warp_r * MT + mt) * 16 + (mi & 1) * 8 + mr,
-                                                     s * 16 + (mi >> 1) * 8));
-      // B = Wv, columns n: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7),
-      // (n 8-15, k 8-15) give two n8 tiles' B fragments.
+      for (int mt = 0; mt < MT; ++mt) {
+        const int m = (warp_r * MT + mt) * 16 + g;
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        const int n = warp_c * 32 + np * 16 + (mi >> 1) * 8, k = s * 16 + (mi & 1) * 8;
-        uint32_t r[4];
-        if constexpr (TRANS)
-          ldsm_x4<false>(r, wt + w_index<true>(n + mr, k));  // stored [n][k]
-        else
-          ldsm_x4<true>(r, wt + w_index<false>(k + mr, n));  // stored [k][n]: transpose
-        bf[s][2 * np][0] = r[0];
-        bf[s][2 * np][1] = r[1];
-        bf[s][2 * np + 1][0] = r[2];
-        bf[s][2 * np + 1][1] = r[3];
+        for (int h = 0; h < 2; ++h) {
+          *reinterpret_cast<uint32_t*>(dst + (m + 8 * h) * ld + col) =
+              pack2<T>(acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
+          acc[mt][nt][2 * h] = acc[mt][nt][2 * h + 1] = 0.f;
+        }
       }
     }
+  };
+
+  // Main loop. Stage t % kStages is read by the fragment loads of iterations (t - 1, KS - 1)
+  // and (t, s < KS - 1), and refilled (with tile t + kStages) at (t + 1, 0), after the
+  // barrier of (t, KS - 1) that every warp passes only when done with those loads.
+  uint32_t af[2][MT][4], bf[2][NT][2];
+  cp_async_wait<kStages - 2>();
+  __syncthreads();  // tile 0 landed
+  load_frags(stages_addr, 0, af[0], bf[0]);
+  int kt = 0, parked = 0;  // k tile of t; column tiles parked so far
+  for (int t = 0; t < tiles; ++t) {
+    const uint32_t st = stages_addr + t % kStages * STAGE_BYTES;
 #pragma unroll
-    for (int s = 0; s < kBK / 16; ++s)
+    for (int s = 0; s < KS; ++s) {
+      if (s == 0) {
+        if (next < tiles) load_next();  // tile t + kStages - 1
+        cp_async_commit();
+      }
+      if (s + 1 < KS) {
+        load_frags(st, s + 1, af[(s + 1) % 2], bf[(s + 1) % 2]);
+      } else if (t + 1 < tiles) {
+        // Tile t + 1 landed for every thread (the wait leaves tiles up to t + kStages - 1 in
+        // flight). The barrier comes after step 0's MMAs were issued, so they cover it.
+        cp_async_wait<kStages - 2>();
+        __syncthreads();
+        load_frags(stages_addr + (t + 1) % kStages * STAGE_BYTES, 0, af[0], bf[0]);
+      }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) mma_16816<T>(acc[mt][nt], af[s][mt], bf[s][nt]);
-
-    if (t % k_tiles == k_tiles - 1) {
-      // Park the tile. Accumulator (mt, nt): c[0..1] at (m = g, n = 2q, 2q + 1), c[2..3] at
-      // m = g + 8.
-      const int g = lane >> 2, q = lane & 3;
-      const int tile_col = t / k_tiles * BN;  // in the parked rows
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int col = tile_col + warp_c * 32 + nt * 8 + 2 * q;
-        const int j = ct_begin * BN + col;  // output column; K is even, so j + 1 < K too
-        float b0 = 0.f, b1 = 0.f;
-        if (a.bias && j < a.k) {
-          b0 = to_float(__ldg(a.bias + j));
-          b1 = to_float(__ldg(a.bias + j + 1));
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const int m = (warp_r * MT + mt) * 16 + g;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            *reinterpret_cast<uint32_t*>(outs + (m + 8 * h) * out_ld + col) =
-                pack2<T>(acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
-            acc[mt][nt][2 * h] = acc[mt][nt][2 * h + 1] = 0.f;
-          }
-        }
-      }
+        for (int nt = 0; nt < NT; ++nt)
+          mma_16816<T>(acc[mt][nt], af[s % 2][mt], bf[s % 2][nt]);
+    }
+    if (++kt == k_tiles && t + 1 < tiles) {
+      park(outs + parked * BN, out_ld, (ct_begin + parked) * BN);
+      ++parked;
+      kt = 0;
     }
   }
 
-  // Every read of x was a cp.async that tile's wait completed; the barrier then orders them
-  // (the whole cluster's) before the writes, and makes the parked tiles visible block-wide.
-  cp_async_wait<0>();
+  // Every read of x was a cp.async that a wait completed before its fragments loaded; the
+  // last tile parks in the stages once every warp is done with them.
+  __syncthreads();
+  park(stages, Tile::LAST_LD, (ct_end - 1) * BN);
+  // The barrier orders the reads of x (the whole cluster's) before the writes, and makes the
+  // parked tiles visible block-wide.
   if (a.cluster > 1)
     cluster_sync();
   else
     __syncthreads();
 
   const int col0 = ct_begin * BN;
+  const int last0 = parked * BN;  // the last tile's first column, from col0
   const int chunks = (min(ct_end * BN, a.k) - col0) / 8;  // per row; K is a multiple of 8
   for (int c = threadIdx.x; c < nrows * chunks; c += THREADS) {
     const int r = c / chunks, col = (c - r * chunks) * 8;
+    const T* src = col < last0 ? outs + r * out_ld + col
+                               : stages + r * Tile::LAST_LD + (col - last0);
     *reinterpret_cast<uint4*>(a.x + row_off[r] + col0 + col) =
-        *reinterpret_cast<const uint4*>(outs + r * out_ld + col);
+        *reinterpret_cast<const uint4*>(src);
   }
 }
 
 template <typename T, bool TRANS, class Tile>
-__global__ void __launch_bounds__(Tile::THREADS, 1)
+__global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
     stream_kernel(const __grid_constant__ Args<T> a) {
 #if defined(__CUDA_ARCH__)
   // Clusters need sm_90; the launcher picks this kernel only there.
@@ -896,7 +963,7 @@ template <class Tile>
 size_t stream_smem_bytes(int tpc, size_t elem) {
   return Tile::BM * sizeof(int64_t) +
          (static_cast<size_t>(kStages) * Tile::STAGE +
-          static_cast<size_t>(Tile::BM) * (tpc * Tile::BN + Tile::kOutPad)) *
+          static_cast<size_t>(Tile::BM) * ((tpc - 1) * Tile::BN + Tile::kOutPad)) *
              elem;
 }
 
@@ -910,8 +977,9 @@ struct StreamPlan {
 // The cheapest split of the column tiles among the blocks of a cluster: waves of resident
 // clusters, the per_sm blocks that share a multiprocessor in a wave sharing its throughput,
 // each block doing tpc column tiles, and a column tile costing its BM rows of MMAs plus
-// streaming its BM + BN rows of x and W from L2 (at a quarter of a row of MMAs each, the
-// ratio that launch_cost's MmaTile::kWCost assumes). Smaller clusters win ties. Launches
+// streaming its BM + BN rows of x and W from L2 (at an eighth of a row of MMAs each: launch_cost's
+// MmaTile::kWCost puts a row's load at a quarter of a 128-column row of MMAs, and these
+// rows are BN = 256 columns wide). Smaller clusters win ties. Launches
 // whose blocks would not fill half of the multiprocessors are left to the staging kernel,
 // which slices the columns finer.
 template <class Tile>
@@ -926,11 +994,11 @@ StreamPlan plan_stream(int64_t rows, int k, size_t elem, const DeviceInfo& d) {
     const size_t smem = stream_smem_bytes<Tile>(tpc, elem);
     if (smem > static_cast<size_t>(d.smem_optin)) continue;
     const int64_t per_sm = std::max<int64_t>(
-        1, std::min<int64_t>(d.smem_per_sm / (smem + d.smem_reserved),
-                             d.threads_per_sm / Tile::THREADS));
+        1, std::min<int64_t>({static_cast<int64_t>(d.smem_per_sm / (smem + d.smem_reserved)),
+                              d.threads_per_sm / Tile::THREADS, Tile::kBlocksPerSm}));
     const int64_t resident = std::max<int64_t>(1, per_sm * d.num_sms / cluster) * cluster;
     const int64_t waves = (row_blocks * cluster + resident - 1) / resident;
-    const int64_t cost = waves * per_sm * tpc * (Tile::BM + (Tile::BM + Tile::BN) / 4);
+    const int64_t cost = waves * per_sm * tpc * (Tile::BM + (Tile::BM + Tile::BN) / 8);
     if (cost < best.cost) best = {tpc, cluster, cost};
   }
   return best;
