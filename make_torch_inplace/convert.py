@@ -63,6 +63,16 @@ __all__ = ["ConvertedModule", "Site", "convert"]
 # instances (or shapes) back to plain eager without rewriting.
 _RECOMPILE_LIMIT = 64
 
+# Dynamo's settings while a converted model is captured: the recompile limit above, and static
+# shapes (what torch.compile(dynamic=False) sets), one capture per input shape: a value
+# computed from sizes alone, such as an attention mask, is then a constant of the graph, which
+# the backend can read (see _Constants).
+_CAPTURE_CONFIG = {
+    "recompile_limit": _RECOMPILE_LIMIT,
+    "automatic_dynamic_shapes": False,
+    "assume_static_by_default": True,
+}
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -118,13 +128,10 @@ class ConvertedModule(nn.Module):
         self._backend = _Backend(verbose)
         self._captured: set[tuple] = set()  # _input_signature of the calls seen so far
         # A bound method, not the OptimizedModule torch.compile(module) would return, so the
-        # parameters are registered once (under self.module).
-        # Static shapes (one capture per input shape, up to _RECOMPILE_LIMIT of them): a value
-        # computed from sizes alone, such as an attention mask, is then a constant of the
-        # graph, which the backend can read (see _Constants).
-        self._compiled_call = torch.compile(
-            module.__call__, backend=self._backend, dynamic=False
-        )
+        # parameters are registered once (under self.module). Static shapes come from
+        # _CAPTURE_CONFIG, not dynamic=False, which would patch Dynamo's config around every
+        # call (see forward).
+        self._compiled_call = torch.compile(module.__call__, backend=self._backend)
 
     @property
     def sites(self) -> list[Site]:
@@ -132,14 +139,19 @@ class ConvertedModule(nn.Module):
         return self._backend.sites
 
     def forward(self, *args, **kwargs):
-        _check_no_autograd(self.module, args, kwargs)
-        # Dynamo reads the recompile limit only when it captures, which with static shapes
-        # is when the inputs' shapes change; patching the config costs ~0.1 ms, more than a
-        # small model's whole forward on a GPU, so a call with known shapes skips it.
+        if torch.is_grad_enabled():  # under no_grad / inference_mode, skip the call
+            _check_no_autograd(self.module, args, kwargs)
+        # Dynamo reads these settings only when it captures, which with static shapes is when
+        # the inputs' layouts change. Patching the config costs tens of microseconds, a good
+        # part of a small model's whole forward on a GPU, so a call with known layouts skips
+        # it. A capture that happens anyway (a guard on something else failed: grad mode, a
+        # module attribute) runs with Dynamo's defaults, which is still safe: the backend
+        # handles symbolic shapes, and past the default recompile limit Dynamo runs the
+        # original forward.
         signature = _input_signature(args, kwargs)
         if signature in self._captured:
             return self._compiled_call(*args, **kwargs)
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(_CAPTURE_CONFIG):
             out = self._compiled_call(*args, **kwargs)
         self._captured.add(signature)
         return out
@@ -174,8 +186,6 @@ def _input_signature(args, kwargs) -> tuple:
 
 
 def _check_no_autograd(module: nn.Module, args, kwargs) -> None:
-    if not torch.is_grad_enabled():
-        return
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(t.requires_grad for t in tensors) or any(
         p.requires_grad for p in module.parameters()
@@ -432,6 +442,9 @@ class _Rewriter:
                 return
             x, weight, bias, fn = a["mat1"], a["mat2"], a["input"], ops.square_matmul_
         t, w = _tensor(x), _tensor(weight)
+        if family == "matmul" and t is not None and w is not None and min(t.dim(), w.dim()) >= 3:
+            self._batched_matmul(node, x, weight)
+            return
         if t is None or w is None or w.dim() != 2 or not _same(w.shape[0], w.shape[1]):
             return
         if bias is not None and (_tensor(bias) is None or _tensor(bias).dim() != 1):
@@ -448,6 +461,82 @@ class _Rewriter:
         ):
             self._replace(node, fn, (x, weight, bias), {}, x)
             self._site(fn, [family], node, node)
+
+    def _batched_matmul(self, node: fx.Node, a: fx.Node, b: fx.Node) -> None:
+        """a @ b of batched operands (attention's probabilities @ v) -> torch.matmul(a, b,
+        out=t) into a tensor t that is dead here: attention's q, dead after q @ k^T, holds
+        exactly attn @ v. t may share its storage with an operand (q and v are views of one
+        qkv tensor) where their elements are disjoint, and nothing reads that storage later.
+
+        t must be a layout that matmul writes directly (its batch dims merge into one, so the
+        out view that matmul reshapes to 3-D is a view, and each matrix has a unit stride and
+        a leading dimension BLAS accepts). Where t's strides differ from the output's (q is
+        a strided view of qkv), the value is then copied into a fresh tensor of the output's
+        layout, which later nodes were traced with: the copy is allocated after a and b are
+        last read, where the original output was allocated while they (the S x S scores)
+        were live, so the peak drops by the output's size and the copy costs one pass over
+        it. Static shapes only (the region checks enumerate rows)."""
+        out, ta, tb = _tensor(node), _tensor(a), _tensor(b)
+        if out is None or not (_static(node) and _static(a) and _static(b)):
+            return
+        pos = self.live.pos[node]
+        best = None
+        for cand in self.graph.nodes:
+            if cand is node:
+                break
+            t = _tensor(cand)
+            if (
+                t is None
+                or cand.op in ("placeholder", "get_attr")
+                or t.dtype != out.dtype
+                or t.device != out.device
+                or tuple(t.shape) != tuple(out.shape)
+                or not _static(cand)
+                or not _bmm_out_ok(t)
+                or not self.live.dead_after(cand, pos)
+                or not all(
+                    self.live.disjoint(cand, [o]) or _disjoint_elements(t, _tensor(o))
+                    for o in (a, b)
+                )
+            ):
+                continue
+            if _same_layout(t, out):
+                best = cand
+                break
+            best = best or cand
+        if best is None:
+            return
+        target = _tensor(best)
+        with self.graph.inserting_before(node):
+            mm = self.graph.call_function(torch.matmul, (a, b), {"out": best})
+        mm.meta.update(node.meta)
+        mm.meta["example_value"] = target
+        self.live.pos[mm] = pos
+        self.live.note_reads(mm, pos)
+        if _same_layout(target, out):
+            self.live.merge(node, best)
+            result, saved = mm, out.untyped_storage().nbytes()
+        else:
+            with self.graph.inserting_before(node):
+                fresh = self.graph.call_function(
+                    torch.empty_strided,
+                    (tuple(out.shape), tuple(out.stride())),
+                    {"dtype": out.dtype, "device": out.device},
+                )
+                result = self.graph.call_function(torch.Tensor.copy_, (fresh, mm))
+            for n in (fresh, result):
+                n.meta.update(node.meta)
+                n.meta["example_value"] = out  # the original output's storage and layout
+                self.live.pos[n] = pos
+            self.live.note_reads(result, pos)
+            saved = 0  # the output is still allocated, only later: the peak drops, not the sum
+        node.replace_all_uses_with(result)
+        self.graph.erase_node(node)
+        op = "matmul(out=dead tensor)" + ("" if saved else " + copy to its layout")
+        self.sites.append(
+            Site(op=op, pattern="matmul", where=_where(node), shape=tuple(out.shape),
+                 dtype=out.dtype, nbytes=saved)
+        )
 
     def _norm(self, node, family, a) -> None:
         x, weight = a["input"], a["weight"]
@@ -767,8 +856,10 @@ _ELEMENTWISE: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
     "div": (torch.Tensor.div_, ("other",), ("rounding_mode",)),
     "pow": (torch.Tensor.pow_, ("exponent",), ()),
     "relu": (torch.relu_, (), ()),
-    "silu": (torch.ops.aten.silu_, (), ()),
-    "gelu": (torch.ops.aten.gelu_, (), ("approximate",)),
+    # The bindings F.silu(inplace=True) calls: torch.ops.aten.* would add a Python-level
+    # OpOverloadPacket call (a few microseconds) to every call of the graph.
+    "silu": (torch._C._nn.silu_, (), ()),
+    "gelu": (torch._C._nn.gelu_, (), ("approximate",)),
     **{
         name: (getattr(torch.Tensor, name + "_"), (), ())
         for name in _UNARY_NAMES
@@ -1005,6 +1096,64 @@ def _inplace_ok(t: torch.Tensor, out: torch.Tensor | None, mti_op: bool) -> bool
     if mti_op:
         return t.dtype in _FLOAT_DTYPES and _contiguous_dims(t.shape, t.stride())
     return _dense(t)
+
+
+def _bmm_out_ok(t: torch.Tensor) -> bool:
+    """matmul(out=t) writes t directly, with no temporary: matmul views out as 3-D (batch
+    dims merged), and BLAS needs a unit stride in one of each matrix's two dims and a
+    leading dimension of at least the other's size (what ATen's bmm accepts as it is)."""
+    if t.dim() < 3:
+        return False
+    batch = [(n, st) for n, st in zip(t.shape[:-2], t.stride()[:-2]) if n != 1]
+    if any(st_outer != n * st for (_, st_outer), (n, st) in zip(batch, batch[1:])):
+        return False
+    (r, c), (sr, sc) = t.shape[-2:], t.stride()[-2:]
+    return (sc == 1 and (r == 1 or sr >= max(1, c))) or (sr == 1 and (c == 1 or sc >= max(1, r)))
+
+
+# Rows (runs of contiguous elements) a region check may enumerate: attention's q at batch 8,
+# seq 8192 has 65536.
+_MAX_RUNS = 1 << 20
+
+
+def _runs(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """t's elements as runs of contiguous storage: (sorted start offsets, run length), in
+    elements; None if there are too many runs or two of them overlap (t repeats elements)."""
+    sizes, strides, run = list(t.shape), list(t.stride()), 1
+    while sizes and (sizes[-1] == 1 or strides[-1] == run):
+        run *= sizes.pop()
+        strides.pop()
+    count = 1
+    for n in sizes:
+        count *= n
+    if count > _MAX_RUNS:
+        return None
+    with unset_fake_temporarily():
+        starts = torch.tensor([t.storage_offset()], dtype=torch.int64)
+        for n, st in zip(sizes, strides):
+            starts = (starts[:, None] + torch.arange(n, dtype=torch.int64) * st).flatten()
+        starts = starts.sort().values
+        if run and starts.numel() > 1 and bool((starts[1:] < starts[:-1] + run).any()):
+            return None
+    return starts, run
+
+
+def _disjoint_elements(t: torch.Tensor, u: torch.Tensor | None) -> bool:
+    """t and u (views of one storage, same dtype) share no element; False when unsure."""
+    if u is None or t.dtype != u.dtype or t.untyped_storage() is not u.untyped_storage():
+        return False
+    if t.numel() == 0 or u.numel() == 0:
+        return True
+    rt, ru = _runs(t), _runs(u)
+    if rt is None or ru is None:
+        return False
+    (a, la), (b, lb) = rt, ru
+    with unset_fake_temporarily():
+        i = torch.searchsorted(a, b, right=True)  # runs of t starting at or before each of u's
+        before = a[(i - 1).clamp(min=0)] + la > b
+        after = a[i.clamp(max=a.numel() - 1)] < b + lb
+        overlap = ((i > 0) & before) | ((i < a.numel()) & after)
+        return not bool(overlap.any())
 
 
 def _like(p: torch.Tensor | None, t: torch.Tensor) -> bool:

@@ -511,3 +511,60 @@ def test_transformers_without_padding_mask(kind, attn, monkeypatch):
     assert not [n for n in nodes if n.target is F.scaled_dot_product_attention
                 and n.kwargs.get("attn_mask") is not None]
     assert not [n for n in nodes if n.target is mti.softmax_ and "mask" in n.kwargs]
+
+
+# --------------------------------------------------------------------------- attn @ v into dead q
+
+
+class FusedQKVAttention(nn.Module):
+    """GPT-2's layout: q, k and v are strided views of one qkv tensor; eager attention."""
+
+    def __init__(self, keep_q: bool = False):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.keep_q = keep_q
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (
+            z.view(b, t, HEADS, D // HEADS).transpose(1, 2) for z in self.qkv(x).split(D, dim=2)
+        )
+        p = F.softmax(q @ k.transpose(-1, -2) * (D // HEADS) ** -0.5, dim=-1)
+        o = (p @ v).transpose(1, 2).reshape(b, t, D)
+        # keep_q: q and k are read after p @ v, so neither may hold its output.
+        return o + (q + k).transpose(1, 2).reshape(b, t, D) if self.keep_q else o
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b", [1, 2])
+def test_attention_output_written_into_dead_q_or_k(device, b):
+    model = FusedQKVAttention().to(device).eval()
+    converted = check_converted(model, randn((b, 8, D), torch.float32, device, seed=1))
+    matmuls = [s for s in converted.sites if s.op.startswith("matmul(out=")]
+    if b == 1:
+        # q's and k's (1, heads, t, d) views of qkv merge to 3-D: written without a temporary,
+        # then copied into the traced (contiguous) layout after the scores are last read.
+        [site] = matmuls
+        assert site.op == "matmul(out=dead tensor) + copy to its layout" and site.nbytes == 0
+    else:
+        assert matmuls == []  # batch and head dims of a qkv view do not merge into one
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_output_not_written_over_live_q_k(device):
+    model = FusedQKVAttention(keep_q=True).to(device).eval()
+    converted = check_converted(model, randn((1, 8, D), torch.float32, device, seed=1))
+    assert not any(s.op.startswith("matmul(out=") for s in converted.sites)
+
+
+def test_region_checks():
+    convert_mod = importlib.import_module("make_torch_inplace.convert")
+    qkv = torch.empty(1, 16, 3 * 32)
+    q, k, v = (z.view(1, 16, 4, 8).transpose(1, 2) for z in qkv.split(32, dim=2))
+    assert convert_mod._disjoint_elements(q, v) and convert_mod._disjoint_elements(k, v)
+    assert not convert_mod._disjoint_elements(q, q)
+    assert not convert_mod._disjoint_elements(q, qkv[..., 4:36].view(1, 16, 4, 8).transpose(1, 2))
+    assert convert_mod._runs(torch.empty(4, 1).expand(4, 3)) is None  # repeats elements
+    assert convert_mod._bmm_out_ok(q) and convert_mod._bmm_out_ok(torch.empty(2, 3, 4, 5))
+    assert not convert_mod._bmm_out_ok(torch.empty(2, 16, 96)[..., :32].view(2, 16, 4, 8)
+                                       .transpose(1, 2))
