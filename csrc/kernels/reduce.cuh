@@ -40,14 +40,17 @@ __device__ __forceinline__ S warp_allreduce(S s, int width) {
 // with its warp's total and gets the CTA total. `buf` (kMaxWarps states) must not be in use
 // by the previous call: callers alternate two buffers, and the __syncthreads of the previous
 // call on the other buffer orders each read of this one before its next overwrite.
+// The totals are folded by a butterfly in every aligned group of kMaxWarps lanes (a group's
+// lane i takes warp i's total, or the identity past the last warp), log2(kMaxWarps) combines
+// deep instead of a chain of one per warp; identity is exact under combine, and the butterfly
+// leaves the same bits in every lane (see warp_allreduce).
 template <class S>
 __device__ __forceinline__ S cta_allreduce(const S& warp_total, S* buf) {
   if (threadIdx.x % kWarpSize == 0) buf[threadIdx.x / kWarpSize] = warp_total;
   __syncthreads();
-  S total = buf[0];
-  const int warps = blockDim.x / kWarpSize;
-  for (int w = 1; w < warps; ++w) total = S::combine(total, buf[w]);
-  return total;
+  const int w = static_cast<int>(threadIdx.x) % kMaxWarps;
+  return warp_allreduce(w < static_cast<int>(blockDim.x) / kWarpSize ? buf[w] : S::identity(),
+                        kMaxWarps);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -58,11 +58,11 @@ constexpr int kVec = 16 / static_cast<int>(sizeof(T));
 // other reduces or writes. A CTA holds kMaxThreads * kCtaRegs = 16384 values, a cluster of 16
 // CTAs 262144.
 constexpr int kWarpRegs = 32;
-// A CTA per row of a staged op (see row_kernel) in 16-bit: each thread holds 64 values, twice
-// the bytes per thread kWarpRegs would give; on an H100 that took 16-bit softmax at N = 8192
-// from ~1.9 to ~2.2 TB/s.
+// A CTA per row in 16-bit: each thread holds 64 values, twice the bytes per thread (and half
+// the warps per row to reduce over) kWarpRegs would give. On an H100 that took 16-bit softmax
+// at N = 8192 from ~1.9 to ~2.2 TB/s.
 template <class Op, typename T>
-constexpr int kCtaRowRegs = Op::kStage && sizeof(T) == 2 ? 64 : kWarpRegs;
+constexpr int kCtaRowRegs = sizeof(T) == 2 ? 64 : kWarpRegs;
 constexpr int kCtaRegs = 64;
 // Values per thread and step when streaming: fewer keep the two-pass kernel clear of spills.
 constexpr int kStreamRegs = 16;
@@ -489,32 +489,21 @@ constexpr size_t staged_bytes(int threads) {
   return staged_path<Op>(kPath, VEC) ? size_t{NV} * threads * sizeof(Packed<T, VEC>) : 0;
 }
 
-// How many CTAs (clusters of `cluster` CTAs when cluster > 1) of `threads` threads of this
-// kernel can be resident on the current device at once; 0 if none can. Clusters need the
-// kernel compiled for sm_90+ (a build without sm_90 code runs older machine code on an H100,
-// and that code has no cluster reduction). Also lifts the kernel's dynamic shared memory
-// limit past the default 48 KiB where the staged vectors need it. Queried once per device,
-// CTA size and cluster size; failed queries count as "none" and their error is cleared so
-// that it does not surface as a launch error.
-template <class Op, typename T, int VEC, int NV, RowPath kPath>
-int resident_units(int device, int threads, int cluster, int sm_count) {
-  // By device, threads / 32, log2(cluster): the answer + 1; 0 = not queried yet.
-  static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1][5];
-  int log2c = 0;
-  while ((2 << log2c) <= cluster) ++log2c;
-  std::atomic<int>* slot =
-      device < kMaxDevices ? &cache[device][threads / kWarpSize][log2c] : nullptr;
-  if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
-    return slot->load(std::memory_order_relaxed) - 1;
-
-  auto kernel = row_kernel<Op, T, VEC, NV, kPath>;
-  const size_t smem = staged_bytes<Op, T, VEC, NV, kPath>(threads);
+// How many CTAs (clusters of `cluster` CTAs when cluster > 1) of `threads` threads with
+// `smem` bytes of dynamic shared memory of `kernel` can be resident on the current device at
+// once; 0 if none can. Clusters need the kernel compiled for sm_90+ (a build without sm_90
+// code runs older machine code on an H100, and that code has no cluster reduction). Also
+// lifts the kernel's dynamic shared memory limit past the default 48 KiB where needed. A
+// failed query counts as "none" and its error is cleared so that it does not surface as a
+// launch error. Not cached: callers cache per device and launch shape.
+template <class Kernel>
+int occupancy_units(Kernel kernel, int threads, int cluster, size_t smem, int sm_count) {
   int units = 0;
   cudaFuncAttributes attr;
-  bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
-            (smem <= 48 * 1024 ||
-             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(smem)) == cudaSuccess);
+  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
+                  (smem <= 48 * 1024 ||
+                   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)) == cudaSuccess);
   if (ok && cluster == 1) {
     int per_sm = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) ==
@@ -538,6 +527,22 @@ int resident_units(int device, int threads, int cluster, int sm_count) {
     if (cudaOccupancyMaxActiveClusters(&units, kernel, &config) != cudaSuccess) units = 0;
   }
   cudaGetLastError();
+  return units;
+}
+
+// occupancy_units() of row_kernel, queried once per device, CTA size and cluster size.
+template <class Op, typename T, int VEC, int NV, RowPath kPath>
+int resident_units(int device, int threads, int cluster, int sm_count) {
+  // By device, threads / 32, log2(cluster): the answer + 1; 0 = not queried yet.
+  static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1][5];
+  int log2c = 0;
+  while ((2 << log2c) <= cluster) ++log2c;
+  std::atomic<int>* slot =
+      device < kMaxDevices ? &cache[device][threads / kWarpSize][log2c] : nullptr;
+  if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
+    return slot->load(std::memory_order_relaxed) - 1;
+  const int units = occupancy_units(row_kernel<Op, T, VEC, NV, kPath>, threads, cluster,
+                                    staged_bytes<Op, T, VEC, NV, kPath>(threads), sm_count);
   if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
   return units;
 }
