@@ -8,13 +8,17 @@
 // group owns the row's vectors t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring
 // vectors at a time), NV of them per step; in a cluster, CTA `rank` owns the rank-th run of
 // kMaxThreads * NV vectors. The grid strides over groups of rows (clusters).
-//  - resident vector rows (16-byte accesses, see below): each thread copies its vectors of y
-//    and dy into shared memory (cp.async), reduces from there and computes grad_x from the
-//    same copy, so y and dy are read from DRAM once. Two buffers: the next row's vectors are
-//    on their way while the current row is reduced and written.
-//  - resident scalar rows (VEC 1): one step in registers, read once.
-//  - streaming (kStream true): rows longer than a cluster holds; a first pass over the steps
-//    reduces, a second reads y and grad again (from L2 where the row is still there) and writes.
+//  - Path::kRegisters: rows that a CTA holds in registers, one step, read once. Vector rows
+//    (16-byte accesses, see below) are prefetched: the thread's vectors of its next row are
+//    copied into shared memory (cp.async) while the current row is reduced and written.
+//  - Path::kShared: longer vector rows, each thread's vectors of y and dy copied into shared
+//    memory (cp.async), reduced from there vector by vector and grad_x computed from the same
+//    copy, so y and dy are read from DRAM once; on sm_90+ a cluster of CTAs holds a row. Two
+//    buffers: the next row's vectors are on their way while the current row is reduced and
+//    written. Slower than registers where those hold the row (measured 5-15% on an H100 at
+//    0794bd0: a shared memory read per vector and pass, and half the rows in flight).
+//  - Path::kStream: rows longer than a cluster holds; a first pass over the steps reduces, a
+//    second reads y and grad again (from L2 where the row is still there) and writes.
 // With every col_stride 1, 16-byte aligned rows (and mask rows, weight, bias) and n a multiple
 // of VEC, accesses move 16 bytes (VEC elements); otherwise the same kernel runs with VEC = 1.
 //
@@ -24,9 +28,10 @@
 // registers on the resident paths (a thread owns the same columns in every row; the CTAs of a
 // cluster each fill their own columns of the cluster's row), in shared memory on the
 // streaming path, or in a column pass of its own (column_sums_kernel) where those sums fit in
-// no CTA's shared memory. A second kernel adds the P partial rows of each column in a fixed order, so the
-// result does not depend on scheduling, and divides grad_weight's by the weight. The scratch
-// is bounded by max(kScratchFloor, bytes of grad_x / 4) (grid capped accordingly).
+// no CTA's shared memory. A second kernel adds the P partial rows of each column in a fixed
+// order, so the result does not depend on scheduling, and divides grad_weight's by the
+// weight. The scratch is bounded by max(kScratchFloor, bytes of grad_x / 4) (grid capped
+// accordingly).
 #include "kernels/rowwise_backward.h"
 
 #include <cuda_bf16.h>
@@ -42,23 +47,38 @@
 namespace mti {
 namespace {
 
-// Vectors (of vec elements) per thread on the resident paths. Vector rows wait in shared
-// memory, which bounds them, not registers: kStagedVectors of y and dy per thread and buffer,
-// 64 KiB per CTA of kMaxThreads with both buffers, so that two CTAs fit on an SM (H100: 228
-// KiB; their shares of a row are then 4096 fp32 / 8192 16-bit elements). Registers hold a
-// vector at a time, but for the norms' parameter gradient sums, 2 fp32 per element a thread
-// owns: kParamElems elements. Scalar rows sit in registers, kScalarNV elements. Streaming:
-// kStreamElems per step, fewer than registers would take, to avoid spills.
-constexpr int kStagedVectors = 4;
+// The backward kernel's paths (see the top of the file).
+enum class Path { kRegisters, kShared, kStream };
+
+// Elements (Path::kRegisters) or vectors (Path::kShared) per thread. Registers: softmax's y
+// and grad take 32 registers each in fp32 (16-bit types would fit 64 elements there, but
+// their conversions then spill); norms read weight and bias along, and with grad_weight /
+// grad_bias keep 2 fp32 sums per element a thread owns: kParamElems. Shared memory bounds
+// Path::kShared's rows, not registers: kStagedVectors of y and dy per thread and buffer, 64
+// KiB per CTA of kMaxThreads with both buffers, so that two CTAs fit on an SM (H100: 228 KiB;
+// their shares of a row are then 4096 fp32 / 8192 16-bit elements); registers hold a vector
+// at a time there, but for the parameter gradient sums (kParamElems again). Scalar rows
+// (VEC 1) sit in registers, kScalarNV elements. Streaming: kStreamElems per step, fewer than
+// registers would take, to avoid spills.
+constexpr int kSoftmaxElems = 32;
 constexpr int kParamElems = 16;
+constexpr int kStagedVectors = 4;
 constexpr int kStreamElems = 16;
 
-constexpr int resident_nv(int vec, bool params) {
-  return vec == 1                          ? kScalarNV
-         : params && kParamElems / vec < kStagedVectors ? kParamElems / vec
-                                                        : kStagedVectors;
+// Vectors (of vec elements) per thread and step of `path`.
+template <class Op>
+constexpr int path_nv(Path path, int vec, bool params) {
+  if (vec == 1) return kScalarNV;
+  switch (path) {
+    case Path::kRegisters:
+      return (params ? kParamElems : Op::kResidentElems) / vec;
+    case Path::kShared:
+      return params && kParamElems / vec < kStagedVectors ? kParamElems / vec : kStagedVectors;
+    case Path::kStream:
+      break;
+  }
+  return kStreamElems / vec;
 }
-constexpr int stream_nv(int vec) { return vec == 1 ? kScalarNV : kStreamElems / vec; }
 
 constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
 constexpr int kThreadsPerSm = 2048;
@@ -110,6 +130,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   using State = Sum2<Acc>;  // sum(grad * y) and sum(y); log_softmax: sum(grad), sum(exp(y))
   using MaskT = typename Rows::template MaskOf<T>;
   static constexpr bool kHasParams = false;
+  static constexpr int kResidentElems = kSoftmaxElems;
 
   struct Row {
     int64_t limit;  // columns from `limit` on are causally masked
@@ -174,6 +195,7 @@ struct NormBackwardOp {
   // element in registers, spills.
   using State = Sum2<float>;  // sum(g_hat), sum(g_hat * x_hat) = sum(grad * t)
   static constexpr bool kHasParams = true;
+  static constexpr int kResidentElems = kParamElems;
 
   const T* weight;  // nullptr or n contiguous elements
   const T* bias;
@@ -257,23 +279,31 @@ struct Partials {
   bool smem_sums = false;  // streaming path: sum in dynamic shared memory, [w?][b?] x n floats
 };
 
-// Whether backward_kernel stages rows (see there): resident rows read by 16-byte vectors.
-__host__ __device__ constexpr bool staged_backward(bool stream, int vec) { return !stream && vec > 1; }
-
-// Dynamic shared memory of a resident launch: two buffers of y's and dy's staged vectors.
-constexpr int64_t staged_backward_bytes(int vec, int nv, int threads) {
-  return staged_backward(false, vec) ? 2 * 2 * int64_t{nv} * threads * 16 : 0;
+// Staging buffers of y's and dy's vectors that backward_kernel's `path` keeps in shared
+// memory (see there): two on the shared path, one for the register path's prefetch of vector
+// rows, none for scalar or streamed rows.
+__host__ __device__ constexpr int staging_buffers(Path path, int vec) {
+  return vec == 1 ? 0 : path == Path::kShared ? 2 : path == Path::kRegisters ? 1 : 0;
 }
 
-template <class Op, typename T, int VEC, int NV, bool kStream, bool kParams>
+// Dynamic shared memory of a resident launch: its staging buffers.
+constexpr int64_t staged_backward_bytes(Path path, int vec, int nv, int threads) {
+  return staging_buffers(path, vec) * 2 * int64_t{nv} * threads * 16;
+}
+
+template <class Op, typename T, int VEC, int NV, Path kPath, bool kParams>
 __global__ void __launch_bounds__(kMaxThreads, 2)
     backward_kernel(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
                     const BackwardRows L, const Op op, const int tpr, const int cluster,
                     const Partials part) {
   using State = typename Op::State;
+  constexpr bool kStream = kPath == Path::kStream;
+  constexpr bool kShared = kPath == Path::kShared;
+  static_assert(!kShared || VEC > 1, "the shared path stages 16-byte vectors");
+  // Register rows whose next row is prefetched into shared memory.
+  constexpr bool kPrefetch = staging_buffers(kPath, VEC) == 1;
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
-  constexpr bool kStaged = staged_backward(kStream, VEC);
   __shared__ State warp_totals[2][kMaxWarps];
   __shared__ ClusterExchange<State> exchange;
 
@@ -282,14 +312,16 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   const int t = static_cast<int>(threadIdx.x) % group;
   const int rows_per_cta = static_cast<int>(blockDim.x) / group;
   const int sub_row = static_cast<int>(threadIdx.x) / group;
-  const int rank = static_cast<int>(blockIdx.x) % cluster;
+  // Clusters exist only on the shared path: the launcher gives the others cluster == 1.
+  const int ctas = kShared ? cluster : 1;
+  const int rank = static_cast<int>(blockIdx.x) % ctas;
   const int64_t n = L.y.n;
   const int64_t ycs = VEC == 1 ? L.y.col_stride : 1;
   const int64_t gcs = VEC == 1 ? L.grad.col_stride : 1;
   const int64_t xcs = VEC == 1 ? L.grad_x.col_stride : 1;
   const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
-  const int64_t first_group = blockIdx.x / cluster;
-  const int64_t group_stride = gridDim.x / cluster;
+  const int64_t first_group = blockIdx.x / ctas;
+  const int64_t group_stride = gridDim.x / ctas;
   // This thread's first vector of the row; vector k of step s is NV * s + k group-widths on.
   const int v0 = rank * NV * group + t;
   auto column = [&](Col s, int k) -> Col { return (v0 + (s * NV + k) * group) * VEC; };
@@ -301,7 +333,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   float* part_b = kParams && part.b ? part.b + p * n : nullptr;
   float acc_w[NV][VEC], acc_b[NV][VEC];  // resident paths' partial sums
   // Dynamic shared memory: the streaming path's sums (one row per CTA there) when they are
-  // not in the scratch rows, or the resident vector path's staged vectors (see kStaged).
+  // not in the scratch rows, or the resident vector paths' staged vectors (see below).
   // Either way each thread reads and writes only its own, so no barrier is needed.
   extern __shared__ __align__(16) float dynamic_smem[];
   float* const smem_sums = dynamic_smem;
@@ -327,31 +359,36 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     }
   }
 
-  // kStaged: the thread's vectors of y and dy of a row wait in shared memory (NV slots each,
-  // laid out as kernels/rowwise.cuh's StagedVectors) from their read to grad_x's write. Two
-  // buffers, by row parity: a row's copies are started as soon as the buffer is free, when
-  // the row before the previous one is written, so that loads stay in flight through every
-  // reduction and write. Each thread reads only the slots it filled itself: no barrier.
+  // Staging: the thread's vectors of y and dy of a row are copied into shared memory (NV
+  // slots each, laid out as kernels/rowwise.cuh's StagedVectors), so that loads stay in
+  // flight through every reduction and write. kShared: they wait there from their read to
+  // grad_x's write, in two buffers by row parity: a row's copies are started as soon as its
+  // buffer is free, when the row before the previous one is written. kPrefetch: one buffer,
+  // copied into registers at the top of the row; the next row's copies start once the
+  // reduction has read them all. Each thread reads only the slots it filled itself: no
+  // barrier.
   using Vec = Packed<T, VEC>;
   const int slot_stride = static_cast<int>(blockDim.x);
   auto slots = [&](unsigned buffer, int array) {  // array 0: y, 1: dy
     return reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x +
            (2 * buffer + array) * NV * slot_stride;
   };
-  // Two cp.async commit groups, empty ones where the group has no such row, so that every
-  // row adds the same number of groups (see cp_async_wait below).
+  // Two cp.async commit groups. kShared commits empty ones where the group has no such row,
+  // so that every row adds the same number of groups (see its cp_async_wait below);
+  // kPrefetch waits for all groups and commits none for a missing row (with empty ones,
+  // three of its kernels spilled 4 bytes on sm_75).
   auto stage_row = [&](int64_t grp, unsigned buffer) {
     const int64_t r = grp * rows_per_cta + sub_row;
     const bool has_row = grp < row_groups && r < L.y.rows;
+    if (kPrefetch && !has_row) return;
     const int end = has_row ? static_cast<int>(n) : 0;
     const StepCursor<int, 0> at{v0, group};
     stage_step<NV>(slots(buffer, 0), slot_stride, y + (has_row ? L.y.row.offset(r) : 0), at, end);
     stage_step<NV>(slots(buffer, 1), slot_stride, dy + (has_row ? L.grad.row.offset(r) : 0), at,
                    end);
   };
-  if constexpr (kStaged) {
-    stage_row(first_group, 0);
-    // Clusters exist only on this path: the launcher gives the others cluster == 1.
+  if constexpr (kShared || kPrefetch) stage_row(first_group, 0);
+  if constexpr (kShared) {
     if (cluster > 1) {
       cluster_exchange_init(exchange);
       cluster_sync();
@@ -368,8 +405,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     const T* gr = dy + (active ? L.grad.row.offset(r) : 0);
     const typename Op::Row rc = op.row(active ? r : 0);
     const Col steps = kStream ? static_cast<Col>(ceil_div(end, int64_t{NV} * group * VEC)) : 1;
-    const unsigned buffer = rows_done % 2;
-    if constexpr (kStaged) {
+    const unsigned buffer = kShared ? rows_done % 2 : 0;
+    if constexpr (kShared) {
       // The other buffer's last reader, this thread's write of the previous row, has its
       // values in registers (its stores depend on them): it can take the next row. Then wait
       // for this row's two groups only.
@@ -379,27 +416,33 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     const StagedVectors<VEC, T> staged_y{slots(buffer, 0), slot_stride},
         staged_g{slots(buffer, 1), slot_stride};
 
-    // y's and dy's vectors of step s from global memory: once per row (scalar resident rows)
-    // or twice (streamed). Staged rows are read from shared memory vector by vector instead,
-    // twice: all of a step at once would hold y, dy, weight and bias of NV vectors in
-    // registers together.
+    // y's and dy's vectors of step s into registers (raw: 16-bit types stay packed), from
+    // the prefetched copy or global memory: once per row (register path) or twice
+    // (streamed). kShared reads its copy vector by vector instead, twice: all of a step at
+    // once would hold y, dy, weight and bias of NV vectors in registers together.
     Vec yv[NV], gv[NV];
     auto load_step = [&](Col s) {
-      if constexpr (!kStaged) {
+      if constexpr (kPrefetch) cp_async_wait<0>();
+      if constexpr (!kShared) {
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
           const Col c0 = column(s, k);
           if (c0 < end) {
-            yv[k] = load_vec<VEC>(yr, c0, ycs);
-            gv[k] = load_vec<VEC>(gr, c0, gcs);
+            yv[k] = kPrefetch ? staged_y(k, c0) : load_vec<VEC>(yr, c0, ycs);
+            gv[k] = kPrefetch ? staged_g(k, c0) : load_vec<VEC>(gr, c0, gcs);
           }
         }
       }
     };
     // Vector k of the current step as floats.
     auto widen = [&](float (&yf)[VEC], float (&gf)[VEC], int k, Col c0) {
-      to_floats(yf, kStaged ? staged_y(k, c0) : yv[k]);
-      to_floats(gf, kStaged ? staged_g(k, c0) : gv[k]);
+      if constexpr (kShared) {
+        to_floats(yf, staged_y(k, c0));
+        to_floats(gf, staged_g(k, c0));
+      } else {
+        to_floats(yf, yv[k]);
+        to_floats(gf, gv[k]);
+      }
     };
     State mine = State::identity();
     for (Col s = 0; s < steps; ++s) {
@@ -414,9 +457,12 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         }
       }
     }
+    // `mine` depends on every prefetched value, so they are all in registers: the slots can
+    // take the next row.
+    if constexpr (kPrefetch) stage_row(grp + group_stride, 0);
     State total = warp_allreduce(mine, cta_rows ? kWarpSize : tpr);
-    if (cta_rows) total = cta_allreduce(total, warp_totals[buffer]);
-    if constexpr (kStaged) {
+    if (cta_rows) total = cta_allreduce(total, warp_totals[rows_done % 2]);
+    if constexpr (kShared) {
       if (cluster > 1) total = cluster_allreduce(total, exchange, rows_done, rank, cluster);
     }
     ++rows_done;
@@ -475,7 +521,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     }
   }
   // No CTA leaves while another may still send it a total.
-  if constexpr (kStaged) {
+  if constexpr (kShared) {
     if (cluster > 1) cluster_sync();
   }
 }
@@ -568,58 +614,62 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 // ---------------------------------------------------------------------------- host side
 
-// Threads per row group and CTA, and CTAs per row, for rows of `vecs` vectors, NV per thread
-// when resident; rows longer than `max_cluster` CTAs hold are streamed.
+// The path, threads per row group and CTA, and CTAs per row, for rows of `vecs` vectors:
+// registers (reg_nv vectors per thread) where a CTA's hold the row, else shared memory
+// (shared_nv per thread) in as few CTAs as hold it, up to `max_cluster` (0: no shared path),
+// else streamed.
 struct Shape {
   int threads = 0;  // CTA size
   int tpr = 0;      // threads per row (== threads: the CTA's, or its cluster's, row)
-  int cluster = 1;  // CTAs per row: > 1 only for resident vector rows on sm_90+
-  bool stream = false;
+  int cluster = 1;  // CTAs per row: > 1 only on the shared path on sm_90+
+  Path path = Path::kRegisters;
 };
 
-Shape pick_shape(int64_t vecs, int nv, int max_cluster) {
+Shape pick_shape(int64_t vecs, int reg_nv, int shared_nv, int max_cluster) {
   Shape s;
-  if (vecs <= int64_t{kWarpSize} * nv) {
+  if (vecs <= int64_t{kWarpSize} * reg_nv) {
     // The fewest lanes that hold the row: more bytes in flight per thread, fewer shuffles.
-    s.tpr = static_cast<int>(next_pow2(ceil_div(vecs, nv)));
+    s.tpr = static_cast<int>(next_pow2(ceil_div(vecs, reg_nv)));
     s.threads = kRowsThreads;
     return s;
   }
-  if (vecs <= int64_t{kMaxThreads} * nv) {
-    s.threads = s.tpr = static_cast<int>(round_up(ceil_div(vecs, nv), kWarpSize));
+  if (vecs <= int64_t{kMaxThreads} * reg_nv) {
+    s.threads = s.tpr = static_cast<int>(round_up(ceil_div(vecs, reg_nv), kWarpSize));
     return s;
   }
   // As few full CTAs as hold the row (any count: a power of two would leave up to half of
   // them idle), or streamed.
   s.threads = s.tpr = kMaxThreads;
-  const int64_t ctas = ceil_div(vecs, int64_t{kMaxThreads} * nv);
-  if (ctas <= max_cluster)
+  const int64_t ctas = ceil_div(vecs, int64_t{kMaxThreads} * shared_nv);
+  if (ctas <= max_cluster) {
     s.cluster = static_cast<int>(ctas);
-  else
-    s.stream = true;
+    s.path = Path::kShared;
+  } else {
+    s.path = Path::kStream;
+  }
   return s;
 }
 
-const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, true};
+const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, Path::kStream};
 
 // Row groups (CTAs, or clusters of `cluster` CTAs) of `threads` threads of the resident
-// backward_kernel (VEC, kParams) that fit on the device at once; 0 if none fits (the staged
+// backward_kernel (VEC, kPath, kParams) that fit on the device at once; 0 if none fits (the staged
 // rows exceed the shared memory a CTA may have) or the query failed. Clusters need the kernel
 // compiled for sm_90+ (a build without sm_90 code runs older machine code on an H100, which
 // has no cluster reduction). Also lifts the kernel's dynamic shared memory limit past the
 // default 48 KiB, and allows clusters past the portable 8, where the launch needs it. Queried
 // once per device, CTA size and cluster size; a failed query's error is cleared so that it
 // does not surface as a launch error.
-template <class Op, typename T, int VEC, bool kParams>
+template <class Op, typename T, int VEC, Path kPath, bool kParams>
 int64_t resident_backward_units(int device, int threads, int cluster, int sm_count) {
   static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1][kMaxCluster + 1];  // answer + 1
   std::atomic<int>* slot =
       device < kMaxDevices ? &cache[device][threads / kWarpSize][cluster] : nullptr;
   if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
     return slot->load(std::memory_order_relaxed) - 1;
-  constexpr int NV = resident_nv(VEC, kParams);
-  const auto kernel = backward_kernel<Op, T, VEC, NV, false, kParams>;
-  const int64_t smem = staged_backward_bytes(VEC, NV, threads);
+  constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
+  const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams>;
+  const int64_t smem = staged_backward_bytes(kPath, VEC, NV, threads);
   int units = 0;
   cudaFuncAttributes attr;
   const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
@@ -677,17 +727,23 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   l.vec = aligned && n % kVec<T> == 0;
   const int vec = l.vec ? kVec<T> : 1;
   const bool params = param_arrays > 0;
-  l.shape = pick_shape(ceil_div(n, vec), resident_nv(vec, params),
-                       l.vec && dev.cluster_launch ? kMaxCluster : 1);
+  l.shape = pick_shape(ceil_div(n, vec), path_nv<Op>(Path::kRegisters, vec, params),
+                       path_nv<Op>(Path::kShared, vec, params),
+                       !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1);
   // Row groups (CTAs or clusters) the grid may hold.
   int64_t max_units = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
-  if (!l.shape.stream) {
+  if (l.shape.path != Path::kStream) {
     const auto resident = [&](auto params_const) {
       constexpr bool kParams = decltype(params_const)::value;
-      return l.vec ? resident_backward_units<Op, T, kVec<T>, kParams>(
-                         device, l.shape.threads, l.shape.cluster, sm_count)
-                   : resident_backward_units<Op, T, 1, kParams>(device, l.shape.threads,
-                                                                l.shape.cluster, sm_count);
+      const int threads = l.shape.threads, cluster = l.shape.cluster;
+      if (!l.vec)
+        return resident_backward_units<Op, T, 1, Path::kRegisters, kParams>(device, threads,
+                                                                             cluster, sm_count);
+      return l.shape.path == Path::kShared
+                 ? resident_backward_units<Op, T, kVec<T>, Path::kShared, kParams>(
+                       device, threads, cluster, sm_count)
+                 : resident_backward_units<Op, T, kVec<T>, Path::kRegisters, kParams>(
+                       device, threads, cluster, sm_count);
     };
     int64_t fits = 0;
     if constexpr (Op::kHasParams)
@@ -714,7 +770,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
     // bandwidth for LayerNorm at N = 65536.)
     const int64_t room = dev.smem_optin - 1024;
     const int fit = per_unit <= room / 2 ? 2 : per_unit <= room ? 1 : 0;
-    if (l.shape.stream && fit == 0) {
+    if (l.shape.path == Path::kStream && fit == 0) {
       l.column_tiles = ceil_div(n, int64_t{kWarpSize} * vec);
       // Enough CTAs to fill the GPU a few times over, each slice a scratch row within bound.
       const int64_t slices = std::min({ceil_div(int64_t{sm_count} * 8, l.column_tiles),
@@ -726,7 +782,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
       return l;
     }
     max_units = std::min(max_units, std::max<int64_t>(1, bound / per_unit));
-    if (l.shape.stream) {
+    if (l.shape.path == Path::kStream) {
       l.smem_sums_bytes = per_unit;
       max_units = std::min(max_units, int64_t{sm_count} * fit);  // the CTAs resident at once
     }
@@ -741,8 +797,10 @@ template <class Op, typename T, int VEC, bool kParams>
 cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L, const Op& op,
                           const Launch& l, const Partials& part, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(l.grid);
-  if (l.shape.stream) {
-    const auto kernel = backward_kernel<Op, T, VEC, stream_nv(VEC), true, kParams>;
+  if (l.shape.path == Path::kStream) {
+    const auto kernel =
+        backward_kernel<Op, T, VEC, path_nv<Op>(Path::kStream, VEC, kParams), Path::kStream,
+                        kParams>;
     Partials p = part;
     p.smem_sums = l.smem_sums_bytes > 0;
     if (p.smem_sums) {
@@ -755,25 +813,34 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
                                                                  1, p);
     return cudaGetLastError();
   }
-  constexpr int NV = resident_nv(VEC, kParams);
   // resident_backward_units, called by plan_launch, has lifted the shared memory limit and
   // allowed the cluster size.
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
-  config.dynamicSmemBytes = static_cast<size_t>(staged_backward_bytes(VEC, NV, l.shape.threads));
-  config.stream = stream;
-  cudaLaunchAttribute dims;
-  dims.id = cudaLaunchAttributeClusterDimension;
-  dims.val.clusterDim.x = static_cast<unsigned>(l.shape.cluster);
-  dims.val.clusterDim.y = 1;
-  dims.val.clusterDim.z = 1;
-  config.attrs = &dims;
-  config.numAttrs = l.shape.cluster > 1 ? 1 : 0;
-  const cudaError_t err =
-      cudaLaunchKernelEx(&config, backward_kernel<Op, T, VEC, NV, false, kParams>, y, dy, dx, L,
-                         op, l.shape.tpr, l.shape.cluster, part);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  const auto resident = [&](auto path_const) {
+    constexpr Path kPath = decltype(path_const)::value;
+    constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
+    config.dynamicSmemBytes =
+        static_cast<size_t>(staged_backward_bytes(kPath, VEC, NV, l.shape.threads));
+    config.stream = stream;
+    cudaLaunchAttribute dims;
+    dims.id = cudaLaunchAttributeClusterDimension;
+    dims.val.clusterDim.x = static_cast<unsigned>(l.shape.cluster);
+    dims.val.clusterDim.y = 1;
+    dims.val.clusterDim.z = 1;
+    config.attrs = &dims;
+    config.numAttrs = l.shape.cluster > 1 ? 1 : 0;
+    const cudaError_t err =
+        cudaLaunchKernelEx(&config, backward_kernel<Op, T, VEC, NV, kPath, kParams>, y, dy, dx,
+                           L, op, l.shape.tpr, l.shape.cluster, part);
+    return err != cudaSuccess ? err : cudaGetLastError();
+  };
+  if constexpr (VEC > 1) {
+    if (l.shape.path == Path::kShared)
+      return resident(std::integral_constant<Path, Path::kShared>{});
+  }
+  return resident(std::integral_constant<Path, Path::kRegisters>{});
 }
 
 // Launches the path `l` names; with parameter gradients when `part` holds any.
