@@ -442,9 +442,6 @@ class _Rewriter:
                 return
             x, weight, bias, fn = a["mat1"], a["mat2"], a["input"], ops.square_matmul_
         t, w = _tensor(x), _tensor(weight)
-        if family == "matmul" and t is not None and w is not None and min(t.dim(), w.dim()) >= 3:
-            self._batched_matmul(node, x, weight)
-            return
         if t is None or w is None or w.dim() != 2 or not _same(w.shape[0], w.shape[1]):
             return
         if bias is not None and (_tensor(bias) is None or _tensor(bias).dim() != 1):
@@ -461,82 +458,6 @@ class _Rewriter:
         ):
             self._replace(node, fn, (x, weight, bias), {}, x)
             self._site(fn, [family], node, node)
-
-    def _batched_matmul(self, node: fx.Node, a: fx.Node, b: fx.Node) -> None:
-        """a @ b of batched operands (attention's probabilities @ v) -> torch.matmul(a, b,
-        out=t) into a tensor t that is dead here: attention's q, dead after q @ k^T, holds
-        exactly attn @ v. t may share its storage with an operand (q and v are views of one
-        qkv tensor) where their elements are disjoint, and nothing reads that storage later.
-
-        t must be a layout that matmul writes directly (its batch dims merge into one, so the
-        out view that matmul reshapes to 3-D is a view, and each matrix has a unit stride and
-        a leading dimension BLAS accepts). Where t's strides differ from the output's (q is
-        a strided view of qkv), the value is then copied into a fresh tensor of the output's
-        layout, which later nodes were traced with: the copy is allocated after a and b are
-        last read, where the original output was allocated while they (the S x S scores)
-        were live, so the peak drops by the output's size and the copy costs one pass over
-        it. Static shapes only (the region checks enumerate rows)."""
-        out, ta, tb = _tensor(node), _tensor(a), _tensor(b)
-        if out is None or not (_static(node) and _static(a) and _static(b)):
-            return
-        pos = self.live.pos[node]
-        best = None
-        for cand in self.graph.nodes:
-            if cand is node:
-                break
-            t = _tensor(cand)
-            if (
-                t is None
-                or cand.op in ("placeholder", "get_attr")
-                or t.dtype != out.dtype
-                or t.device != out.device
-                or tuple(t.shape) != tuple(out.shape)
-                or not _static(cand)
-                or not _bmm_out_ok(t)
-                or not self.live.dead_after(cand, pos)
-                or not all(
-                    self.live.disjoint(cand, [o]) or _disjoint_elements(t, _tensor(o))
-                    for o in (a, b)
-                )
-            ):
-                continue
-            if _same_layout(t, out):
-                best = cand
-                break
-            best = best or cand
-        if best is None:
-            return
-        target = _tensor(best)
-        with self.graph.inserting_before(node):
-            mm = self.graph.call_function(torch.matmul, (a, b), {"out": best})
-        mm.meta.update(node.meta)
-        mm.meta["example_value"] = target
-        self.live.pos[mm] = pos
-        self.live.note_reads(mm, pos)
-        if _same_layout(target, out):
-            self.live.merge(node, best)
-            result, saved = mm, out.untyped_storage().nbytes()
-        else:
-            with self.graph.inserting_before(node):
-                fresh = self.graph.call_function(
-                    torch.empty_strided,
-                    (tuple(out.shape), tuple(out.stride())),
-                    {"dtype": out.dtype, "device": out.device},
-                )
-                result = self.graph.call_function(torch.Tensor.copy_, (fresh, mm))
-            for n in (fresh, result):
-                n.meta.update(node.meta)
-                n.meta["example_value"] = out  # the original output's storage and layout
-                self.live.pos[n] = pos
-            self.live.note_reads(result, pos)
-            saved = 0  # the output is still allocated, only later: the peak drops, not the sum
-        node.replace_all_uses_with(result)
-        self.graph.erase_node(node)
-        op = "matmul(out=dead tensor)" + ("" if saved else " + copy to its layout")
-        self.sites.append(
-            Site(op=op, pattern="matmul", where=_where(node), shape=tuple(out.shape),
-                 dtype=out.dtype, nbytes=saved)
-        )
 
     def _norm(self, node, family, a) -> None:
         x, weight = a["input"], a["weight"]
@@ -1096,64 +1017,6 @@ def _inplace_ok(t: torch.Tensor, out: torch.Tensor | None, mti_op: bool) -> bool
     if mti_op:
         return t.dtype in _FLOAT_DTYPES and _contiguous_dims(t.shape, t.stride())
     return _dense(t)
-
-
-def _bmm_out_ok(t: torch.Tensor) -> bool:
-    """matmul(out=t) writes t directly, with no temporary: matmul views out as 3-D (batch
-    dims merged), and BLAS needs a unit stride in one of each matrix's two dims and a
-    leading dimension of at least the other's size (what ATen's bmm accepts as it is)."""
-    if t.dim() < 3:
-        return False
-    batch = [(n, st) for n, st in zip(t.shape[:-2], t.stride()[:-2]) if n != 1]
-    if any(st_outer != n * st for (_, st_outer), (n, st) in zip(batch, batch[1:])):
-        return False
-    (r, c), (sr, sc) = t.shape[-2:], t.stride()[-2:]
-    return (sc == 1 and (r == 1 or sr >= max(1, c))) or (sr == 1 and (c == 1 or sc >= max(1, r)))
-
-
-# Rows (runs of contiguous elements) a region check may enumerate: attention's q at batch 8,
-# seq 8192 has 65536.
-_MAX_RUNS = 1 << 20
-
-
-def _runs(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """t's elements as runs of contiguous storage: (sorted start offsets, run length), in
-    elements; None if there are too many runs or two of them overlap (t repeats elements)."""
-    sizes, strides, run = list(t.shape), list(t.stride()), 1
-    while sizes and (sizes[-1] == 1 or strides[-1] == run):
-        run *= sizes.pop()
-        strides.pop()
-    count = 1
-    for n in sizes:
-        count *= n
-    if count > _MAX_RUNS:
-        return None
-    with unset_fake_temporarily():
-        starts = torch.tensor([t.storage_offset()], dtype=torch.int64)
-        for n, st in zip(sizes, strides):
-            starts = (starts[:, None] + torch.arange(n, dtype=torch.int64) * st).flatten()
-        starts = starts.sort().values
-        if run and starts.numel() > 1 and bool((starts[1:] < starts[:-1] + run).any()):
-            return None
-    return starts, run
-
-
-def _disjoint_elements(t: torch.Tensor, u: torch.Tensor | None) -> bool:
-    """t and u (views of one storage, same dtype) share no element; False when unsure."""
-    if u is None or t.dtype != u.dtype or t.untyped_storage() is not u.untyped_storage():
-        return False
-    if t.numel() == 0 or u.numel() == 0:
-        return True
-    rt, ru = _runs(t), _runs(u)
-    if rt is None or ru is None:
-        return False
-    (a, la), (b, lb) = rt, ru
-    with unset_fake_temporarily():
-        i = torch.searchsorted(a, b, right=True)  # runs of t starting at or before each of u's
-        before = a[(i - 1).clamp(min=0)] + la > b
-        after = a[i.clamp(max=a.numel() - 1)] < b + lb
-        overlap = ((i > 0) & before) | ((i < a.numel()) & after)
-        return not bool(overlap.any())
 
 
 def _like(p: torch.Tensor | None, t: torch.Tensor) -> bool:

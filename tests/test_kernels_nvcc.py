@@ -65,24 +65,13 @@ def spills(ptxas_log: str) -> list[str]:
 KERNEL_PARAMS = [pytest.param(k, id=k.name) for k in KERNELS] or [
     pytest.param(None, id="none", marks=pytest.mark.skip(reason="no csrc/kernels/*.cu yet"))]
 
-# Known, not yet fixed: softmax kernels that hold 64 fp32 values per thread (the cluster path,
-# and masked variants) spill 16-40 bytes on some architectures. strict: once they stop
-# spilling, this marker must go.
-KNOWN_SPILLS = {"softmax.cu": "64-value fp32 softmax kernels spill (open work, issue 3)"}
-SPILL_PARAMS = [
-    pytest.param(k, id=k.name, marks=pytest.mark.xfail(reason=KNOWN_SPILLS[k.name], strict=True))
-    if k.name in KNOWN_SPILLS else pytest.param(k, id=k.name)
-    for k in KERNELS] or [
-    pytest.param(None, id="none", marks=pytest.mark.skip(reason="no csrc/kernels/*.cu yet"))]
-
-
 @pytest.mark.parametrize("source", KERNEL_PARAMS)
 def test_compiles_for_every_arch(source):
     result = nvcc(source)
     assert result.returncode == 0, f"nvcc failed on {source.name}:\n{result.stderr[-8000:]}"
 
 
-@pytest.mark.parametrize("source", SPILL_PARAMS)
+@pytest.mark.parametrize("source", KERNEL_PARAMS)
 def test_no_register_spills(source):
     """Spilled registers mean a per-thread array outgrew the register file (e.g. a row cached
     in registers for too wide a row): local-memory traffic the kernels are designed to avoid."""

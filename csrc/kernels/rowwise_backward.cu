@@ -652,14 +652,9 @@ Shape pick_shape(int64_t vecs, int reg_nv, int shared_nv, int max_cluster) {
 
 const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, Path::kStream};
 
-// Row groups (CTAs, or clusters of `cluster` CTAs) of `threads` threads of the resident
-// backward_kernel (VEC, kPath, kParams) that fit on the device at once; 0 if none fits (the staged
-// rows exceed the shared memory a CTA may have) or the query failed. Clusters need the kernel
-// compiled for sm_90+ (a build without sm_90 code runs older machine code on an H100, which
-// has no cluster reduction). Also lifts the kernel's dynamic shared memory limit past the
-// default 48 KiB, and allows clusters past the portable 8, where the launch needs it. Queried
-// once per device, CTA size and cluster size; a failed query's error is cleared so that it
-// does not surface as a launch error.
+// occupancy_units() of the resident backward_kernel (VEC, kPath, kParams): 0 if none fits
+// (the staged rows exceed the shared memory a CTA may have). Queried once per device, CTA
+// size and cluster size.
 template <class Op, typename T, int VEC, Path kPath, bool kParams>
 int64_t resident_backward_units(int device, int threads, int cluster, int sm_count) {
   static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1][kMaxCluster + 1];  // answer + 1
@@ -670,35 +665,8 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
   constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
   const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams>;
   const int64_t smem = staged_backward_bytes(kPath, VEC, NV, threads);
-  int units = 0;
-  cudaFuncAttributes attr;
-  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
-                  (smem <= 48 * 1024 ||
-                   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)) == cudaSuccess);
-  if (ok && cluster == 1) {
-    int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
-                                                      static_cast<size_t>(smem)) == cudaSuccess)
-      units = per_sm * sm_count;
-  } else if (ok && attr.ptxVersion >= 90 &&
-             (cluster <= 8 ||
-              cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-                  cudaSuccess)) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(cluster));
-    config.blockDim = dim3(static_cast<unsigned>(threads));
-    config.dynamicSmemBytes = static_cast<size_t>(smem);
-    cudaLaunchAttribute dims;
-    dims.id = cudaLaunchAttributeClusterDimension;
-    dims.val.clusterDim.x = static_cast<unsigned>(cluster);
-    dims.val.clusterDim.y = 1;
-    dims.val.clusterDim.z = 1;
-    config.attrs = &dims;
-    config.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&units, kernel, &config) != cudaSuccess) units = 0;
-  }
-  cudaGetLastError();
+  const int units =
+      occupancy_units(kernel, threads, cluster, static_cast<size_t>(smem), sm_count);
   if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
   return units;
 }
