@@ -291,7 +291,7 @@ def main() -> None:
     records = []
     for name in models:
         records += run_model(name, seqs, size, device, dtype, env)
-    report(records)
+        report(records)  # after each model: a sweep cut short keeps what it measured
 
 
 if __name__ == "__main__":

@@ -446,10 +446,11 @@ def main(argv: list[str] | None = None) -> int:
                 if compiled is not None and (i == 0 or mode == "static"):
                     compiled.start_group()
                 bench_group(spec, dtype, n, args, device, compiled, clone_cache, records)
-    md = tables(records)
+        # After each op: a sweep cut short keeps what it measured.
+        md = tables(records)
+        json_path, md_path = write_results("rowwise", records, md)
     print()
     print(md)
-    json_path, md_path = write_results("rowwise", records, md)
     pngs = plots(records, results_dir())
     print(f"wrote {json_path}, {md_path}, " + ", ".join(map(str, pngs)))
     print(f"{env_info()['device']}: {len(records)} records in {time.perf_counter() - start:.0f} s")

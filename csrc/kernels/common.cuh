@@ -49,6 +49,15 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 }
 constexpr float kLog2e = 1.4426950216293334961f;
 
+// 1 / x on the special function unit: one MUFU.RCP, within 1 ulp, subnormal x flushed to zero
+// (1 / x is inf there). __frcp_rn adds a Newton step and a slow-path branch to round
+// correctly: for kernels whose outputs are 16-bit, a per-element cost with no visible effect.
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // cp.async (sm_80+): global -> shared copies that complete in the background, tracked per
 // thread in commit groups. Older architectures copy synchronously instead.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
