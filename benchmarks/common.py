@@ -226,7 +226,7 @@ def write_results(name: str, records: list[dict], table_md: str) -> tuple[Path, 
     out = results_dir()
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"
     json_path.write_text(json.dumps(records, indent=1) + "\n")
-    env = env_info()
+    env = records[0] if records else env_info()  # where they were measured, also when merged
     header = f"# {name}\n\n{env['device']}, torch {env['torch']}, commit {env['commit']}\n\n"
     md_path.write_text(header + table_md.rstrip() + "\n")
     return json_path, md_path
