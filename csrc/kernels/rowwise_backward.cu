@@ -247,14 +247,12 @@ struct NormBackwardOp {
 
   // grad_x of one vector into out and, with kParams, grad * t and grad added to acc_w and
   // acc_b (see terms()). x_hat = t / weight, 0 where weight is 0 (y tells nothing of x
-  // there). 16-bit types move twice the elements per byte, and instructions per element
-  // bound their speed, so they take the cheap forms: the approximate reciprocal (rcp_ftz, one
-  // instruction, where their outputs round far more coarsely) and grad_x as two FMAs with
-  // the row's means times rstd (their products hoisted out of the loop). With these, on an
-  // H100, bf16 LayerNorm backward with both parameter gradients went from 0.63x to 0.73x of
-  // clone-equivalent bandwidth at N = 1024 (0.39x to 0.47x at 65536); fp32 (0.88x there)
-  // keeps the division and the textbook form, whose fused one costs its register kernel a
-  // spill.
+  // there). 16-bit types move twice the elements per byte and are bound by instructions per
+  // element, so they take the cheap forms: the approximate reciprocal (rcp_ftz; their
+  // outputs round far more coarsely) and grad_x as two FMAs on the row's means times rstd
+  // (H100, bf16 LayerNorm with both parameter gradients: 0.63x -> 0.73x of clone-equivalent
+  // bandwidth at N = 1024). fp32 keeps the division and the textbook form: the fused one
+  // makes its register kernel spill.
   template <bool kParams, int VEC>
   __device__ __forceinline__ void grad(float (&out)[VEC], float (&acc_w)[VEC],
                                        float (&acc_b)[VEC], const float (&y)[VEC],
