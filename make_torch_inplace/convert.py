@@ -41,6 +41,7 @@ and no S x S mask is built.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import os
 import re
@@ -155,6 +156,38 @@ class ConvertedModule(nn.Module):
             out = self._compiled_call(*args, **kwargs)
         self._captured.add(signature)
         return out
+
+
+# matmul_over_left computes its product this many bytes at a time (whole matrices of the
+# batch, at least one) into a temporary, then copies it over `a`: the temporary is all the
+# memory it allocates, and each piece costs two launches.
+_OVER_LEFT_PIECE_BYTES = 2 << 20
+
+
+def matmul_over_left(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for a contiguous float (..., M, K) `a` that nothing reads afterwards and a
+    (..., K, N) `b` with the same batch dims, N <= K: the product is written, contiguous, over
+    the first elements of a's memory and returned (a view of that memory).
+
+    Each piece of matrices i0 .. i1 - 1 is read whole (into the temporary) before its product
+    is written, to elements [i0 * M * N, i1 * M * N) of a: since N <= K, inside matrices
+    0 .. i1 - 1 of a, which are read by then, and before the matrices still to be read.
+    """
+    *batch, m, k = a.shape
+    n = b.shape[-1]
+    if n > k or not a.is_contiguous() or list(b.shape[:-2]) != batch or b.shape[-2] != k:
+        raise ValueError(
+            f"matmul_over_left: needs a contiguous (..., M, K) a and a (..., K, N) b with the "
+            f"same batch dims and N <= K, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    count = math.prod(batch)
+    a3, b3 = a.view(count, m, k), b.reshape(count, k, n)
+    out = a.as_strided((count, m, n), (m * n, n, 1))
+    step = max(1, _OVER_LEFT_PIECE_BYTES // max(1, m * n * a.element_size()))
+    for i0 in range(0, count, step):
+        i1 = min(i0 + step, count)
+        out[i0:i1].copy_(torch.bmm(a3[i0:i1], b3[i0:i1]))
+    return out.view(*batch, m, n)
 
 
 class _Backend:
@@ -282,6 +315,14 @@ class _Liveness:
         return bool(roots) and all(
             r not in self._inputs and self._last_read.get(r, -1) <= pos for r in roots
         )
+
+    def last_read(self, node: fx.Node) -> int:
+        """The last position at which `node`'s group is read (-1: never)."""
+        return max((self._last_read.get(r, -1) for r in self._roots(node)), default=-1)
+
+    def allocates(self, node: fx.Node) -> bool:
+        """`node`'s value is a tensor in new memory, shared with none of its inputs."""
+        return bool(_storages(node)) and self.disjoint(node, node.all_input_nodes)
 
     def disjoint(self, node: fx.Node, others: Iterable) -> bool:
         mine = self._roots(node)
@@ -442,6 +483,9 @@ class _Rewriter:
                 return
             x, weight, bias, fn = a["mat1"], a["mat2"], a["input"], ops.square_matmul_
         t, w = _tensor(x), _tensor(weight)
+        if family == "matmul" and t is not None and w is not None and w.dim() >= 3:
+            self._matmul_over_left(node, x, weight)
+            return
         if t is None or w is None or w.dim() != 2 or not _same(w.shape[0], w.shape[1]):
             return
         if bias is not None and (_tensor(bias) is None or _tensor(bias).dim() != 1):
@@ -458,6 +502,45 @@ class _Rewriter:
         ):
             self._replace(node, fn, (x, weight, bias), {}, x)
             self._site(fn, [family], node, node)
+
+    def _matmul_over_left(self, node, a, b) -> None:
+        """a @ b of batches of matrices (attention's probs @ v) -> matmul_over_left(a, b) for a
+        dead contiguous `a` at least as wide as the product: the product then lives in a's
+        memory, so a (the S x S probabilities) is freed only with the product. That is a
+        saving only if nothing else is allocated meanwhile: the product's last reader must be
+        the first node after it to allocate, and allocate no more than the product (the copy
+        that merges heads does both)."""
+        t, u, out = _tensor(a), _tensor(b), _tensor(node)
+        if out is None or not all(
+            isinstance(s, int) for v in (t, u, out) for s in (*v.shape, *v.stride())
+        ):
+            return  # static shapes only: the pieces of the product are sized when it runs
+        *batch, m, k = t.shape
+        if not (
+            t.dim() == u.dim()
+            and list(u.shape) == [*batch, k, u.shape[-1]]
+            and u.shape[-1] <= k
+            and t.dtype == u.dtype
+            and _inplace_ok(t, t, mti_op=True)  # a float, contiguous
+            and _contiguous_dims(out.shape, out.stride())
+        ):
+            return
+        pos = self.live.pos[node]
+        if not (self.live.dead_after(a, pos) and self.live.disjoint(a, [b])):
+            return
+        last = max(self.live.last_read(node), pos)
+        later = node.next
+        while self.live.pos[later] <= last:
+            if later.op == "output":  # the caller would get a's memory with the product
+                return
+            if self.live.allocates(later) and (
+                self.live.pos[later] != last or _nbytes(_tensor(later)) > _nbytes(out)
+            ):
+                return
+            later = later.next
+        value = t.as_strided(out.shape, out.stride())
+        self._replace(node, matmul_over_left, (a, b), {}, a, value=value)
+        self._site(matmul_over_left, ["matmul"], node, node)
 
     def _norm(self, node, family, a) -> None:
         x, weight = a["input"], a["weight"]
@@ -481,19 +564,20 @@ class _Rewriter:
 
     # ----------------------------------------------------------------- shared
 
-    def _replace(self, result, fn, args, kwargs, target, at=None, erase=()) -> None:
+    def _replace(self, result, fn, args, kwargs, target, at=None, erase=(), value=None) -> None:
         """Puts `fn(*args, **kwargs)`, which writes over `target`, in the place of `result`.
 
         The new node goes where `at` (default: `result`) was; `result` and then the nodes in
-        `erase` (folded into the new op, each used only by the next) are removed.
+        `erase` (folded into the new op, each used only by the next) are removed. `value`:
+        the fake tensor the new op returns, a view of target's memory (default: target).
         """
         at = result if at is None else at
         with self.graph.inserting_before(at):
             new = self.graph.call_function(fn, args, kwargs)
         new.meta.update(result.meta)
-        # The op returns `target` itself, so the new node's value is target's fake tensor:
-        # its storage (and hence group) and layout are target's.
-        new.meta["example_value"] = target.meta["example_value"]
+        # The op returns `target` itself (or `value`, a view of it), so the new node's storage
+        # (and hence group) is target's.
+        new.meta["example_value"] = target.meta["example_value"] if value is None else value
         pos = self.live.pos[at]
         self.live.pos[new] = pos
         self.live.merge(result, target)
@@ -920,6 +1004,10 @@ def _is_number(c) -> bool:
 
 
 # --------------------------------------------------------------------------- fake values
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _tensor(arg) -> torch.Tensor | None:

@@ -8,11 +8,13 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils import _pytree as pytree
 
 import make_torch_inplace as mti
-from helpers import DEVICES, assert_accurate, randn
+from helpers import DEVICES, assert_accurate, examples, lead_shapes, randn, seeds
 
 D, HEADS = 64, 4
 
@@ -274,6 +276,48 @@ def test_where_on_dead_scores_runs_in_place(mask_fn):
     assert "masked_fill_" in ops_of(converted) and "softmax_" in ops_of(converted)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_pre_norm_block_writes_probs_at_v_over_the_probs(device):
+    """With seq >= head dim, probs @ v goes over the dead probabilities: the merge of the
+    heads (reshape) is the first allocation after it and reads it last."""
+    model = make_block(PreNormBlock, device)
+    converted = check_converted(model, *block_inputs(device, t=32))
+    [site] = [s for s in converted.sites if s.op == "matmul_over_left"]
+    assert site.shape == (2, HEADS, 32, D // HEADS)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    batch=lead_shapes(max_dims=2, max_size=3),
+    m=st.integers(0, 9),
+    k=st.integers(1, 12),
+    n_less=st.integers(0, 11),
+    piece_matrices=st.integers(1, 4),
+    seed=seeds,
+)
+def test_matmul_over_left(batch, m, k, n_less, piece_matrices, seed, monkeypatch):
+    """a @ b over a's memory, a few matrices at a time (pieces shrunk to `piece_matrices`
+    matrices): equal to torch.matmul within its error, contiguous, at a's first element."""
+    n = max(1, k - n_less)
+    a = randn((*batch, m, k), torch.float32, "cpu", seed)
+    b = randn((*batch, n, k), torch.float32, "cpu", seed + 1).transpose(-1, -2)  # strided
+    ref64, expected = a.double() @ b.double(), a @ b
+    convert_module = importlib.import_module("make_torch_inplace.convert")
+    monkeypatch.setattr(convert_module, "_OVER_LEFT_PIECE_BYTES", piece_matrices * m * n * 4)
+    out = convert_module.matmul_over_left(a, b)
+    assert_accurate(out, expected, ref64)
+    assert out.is_contiguous() and out.data_ptr() == a.data_ptr()
+
+
+def test_matmul_over_left_refuses_a_narrower_than_the_product():
+    convert_module = importlib.import_module("make_torch_inplace.convert")
+    a, b = torch.randn(2, 4, 3), torch.randn(2, 3, 5)
+    before = a.clone()
+    with pytest.raises(ValueError, match="N <= K"):
+        convert_module.matmul_over_left(a, b)
+    assert torch.equal(a, before)
+
+
 # --------------------------------------------------------------------------- where not to
 
 
@@ -338,6 +382,28 @@ def _across_graph_break(m, x):
     return torch.softmax(h, -1)
 
 
+def _probs(m, x):
+    """Dead (2, 8, 8) probabilities, and an (8, 8)-wide strided value to multiply them by."""
+    return torch.softmax(x @ x.transpose(-1, -2), -1), x[..., :8]
+
+
+def _product_returned(m, x):
+    p, v = _probs(m, x)
+    return p @ v
+
+
+def _probs_read_after_product(m, x):
+    p, v = _probs(m, x)
+    return (p @ v) + p
+
+
+def _allocation_before_product_read(m, x):
+    p, v = _probs(m, x)
+    o = p @ v
+    y = m.lin(x)  # would be allocated while o still holds p's memory
+    return y[..., :8] * o
+
+
 NOT_REWRITTEN = {
     "input": (lambda m, x: torch.softmax(x, -1), "softmax_"),
     "parameter": (lambda m, x: torch.softmax(m.w, -1) @ x.transpose(-1, -2), "softmax_"),
@@ -352,6 +418,9 @@ NOT_REWRITTEN = {
     "promoting": (_promoting, "add_"),
     "expanded": (_expanded, "mul_"),
     "non_square": (lambda m, x: F.linear(m.lin(x), m.w[: D // 2]), "linear_"),
+    "product_returned": (_product_returned, "matmul_over_left"),
+    "probs_read_after_product": (_probs_read_after_product, "matmul_over_left"),
+    "allocation_before_product_read": (_allocation_before_product_read, "matmul_over_left"),
 }
 
 
@@ -361,6 +430,19 @@ def test_not_rewritten_where_unsafe(case):
     torch.manual_seed(0)
     converted = check_converted(Probe(fn).eval(), randn((2, 8, D), torch.float32, "cpu", 1))
     assert op not in ops_of(converted)
+
+
+def test_probs_at_v_over_the_probs_where_safe():
+    """The probes above without their hazard: the product is copied (allocation and last
+    read at once) and then dies."""
+
+    def merged(m, x):
+        p, v = _probs(m, x)
+        return (p @ v).transpose(-1, -2).contiguous()
+
+    torch.manual_seed(0)
+    converted = check_converted(Probe(merged).eval(), randn((2, 8, D), torch.float32, "cpu", 1))
+    assert "matmul_over_left" in ops_of(converted)
 
 
 def test_write_between_scale_and_softmax_is_not_folded():
