@@ -24,19 +24,34 @@ struct RowIndexer {
   int64_t sizes[kMaxLeadDims] = {};   // outermost first
   int64_t strides[kMaxLeadDims] = {}; // in elements; 0 for a broadcast (mask) dim
 
+  // row must be in [0, product of sizes).
   MTI_HD int64_t offset(int64_t row) const {
-    if (ndim == 1) return row * strides[0];  // the common, fully merged case
+    if (ndim <= 1) return row * strides[0];  // the common, fully merged case (0: strides 0)
+    // Kernels compute this once per row and thread (several times with a broadcast mask,
+    // which keeps x's dims from merging too), so its divisions count: 64-bit division is a
+    // long instruction sequence on a GPU, 32-bit division a few times shorter. Below 2^32
+    // the row number, and every quotient of it, divide in 32 bits.
+    bool narrow = row <= UINT32_MAX;
+    for (int i = 1; i < ndim; ++i) narrow = narrow && sizes[i] <= UINT32_MAX;
+    return narrow ? offset_as<uint32_t>(static_cast<uint32_t>(row)) : offset_as<int64_t>(row);
+  }
+
+ private:
+  // Innermost dim first; the outermost takes what is left of row, which is below its size.
+  template <typename I>
+  MTI_HD int64_t offset_as(I row) const {
     int64_t off = 0;
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
-    for (int i = kMaxLeadDims - 1; i >= 0; --i) {
+    for (int i = kMaxLeadDims - 1; i > 0; --i) {
       if (i < ndim) {
-        off += (row % sizes[i]) * strides[i];
-        row /= sizes[i];
+        const I size = static_cast<I>(sizes[i]);
+        off += static_cast<int64_t>(row % size) * strides[i];
+        row /= size;
       }
     }
-    return off;
+    return off + static_cast<int64_t>(row) * strides[0];
   }
 };
 

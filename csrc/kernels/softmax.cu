@@ -116,10 +116,19 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
       // __expf (exp_for<T>) pays three instructions per element to return subnormal exps
       // (see ex2_ftz), which only a chunk with some (z - ms) * kLog2e below -126 has. That
       // product rounds monotonically in z, so the chunk's smallest z tells, for one min per
-      // element. Chunks with a -inf (masked) element take the __expf loop too. Either way
-      // every exp has the bits of __expf(z - ms). Not on the scalar path (VEC 1), where the
-      // second loop cost up to 50 registers with a mask.
-      const float lo = fold<NV * VEC>([&](int i) { return z[i / VEC][i % VEC]; }, Min{});
+      // element. Either way every exp has the bits of __expf(z - ms). Not on the scalar path
+      // (VEC 1), where the second loop cost up to 50 registers with a mask.
+      // Masked elements (-inf) give exactly 0 on both paths, so with a mask the min skips
+      // them: a mask leaves -inf in nearly every chunk, which would otherwise always take
+      // the __expf loop (without one, -inf is only the padding of a row's last chunk).
+      // v + v * 0 is v, but NaN for -inf, and fminf skips NaN: one FMA per element (a
+      // compare and select made the bf16 bool-mask kernel spill on sm_90).
+      const float lo = fold<NV * VEC>(
+          [&](int i) {
+            const float v = z[i / VEC][i % VEC];
+            return kMask == MaskKind::kNone ? v : __fmaf_rn(v, 0.f, v);
+          },
+          Min{});
       if ((lo - ms) * kLog2e >= -126.f)
         return {m, exp_sum(z, ms, [](float d) { return ex2_ftz(d * kLog2e); })};
     }
