@@ -26,7 +26,9 @@ softmax / log_softmax with the scale and additive mask that feed them folded in
 (``softmax(x * c + mask)``, ``x / d`` as scale 1/d) and with
 ``softmax(x, dtype=float32).to(x.dtype)`` folded into one op, layer_norm / rms_norm,
 ``torch.where(keep, x, fill)`` (-> ``x.masked_fill_(~keep, fill)``), and elementwise
-arithmetic and activations (-> PyTorch's own ``mul_``, ``add_``, ``tanh_``, ...). Module
+arithmetic and activations (-> PyTorch's own ``mul_``, ``add_``, ``tanh_``, ...), and a
+batched matmul whose left operand is dead and at least as wide as the product (attention's
+``probs @ v`` -> matmul_over_left, the product written over the probabilities). Module
 forms (nn.Linear, nn.Softmax, ...) reach the backend as these functions, since Dynamo inlines
 torch.nn modules.
 
@@ -107,8 +109,9 @@ class Site:
     shape: tuple[int, ...]  # output shape (size hints for dynamic dims)
     dtype: torch.dtype
     # Bytes of the output the original op allocated, which it no longer does. A square
-    # matmul borrows up to the workspace limit (mti.set_workspace_limit) while it runs, so
-    # its net saving is nbytes minus that.
+    # matmul borrows up to the workspace limit (mti.set_workspace_limit) while it runs, and
+    # matmul_over_left a piece of its product (_OVER_LEFT_PIECE_BYTES, at least one matrix),
+    # so their net saving is nbytes minus that.
     nbytes: int
 
     def __str__(self) -> str:
