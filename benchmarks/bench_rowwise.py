@@ -348,8 +348,12 @@ def tables(records: list[dict]) -> str:
         key = (r["op"], r["variant"], r["dtype"], r["pass"])
         groups.setdefault(key, {}).setdefault(r["N"], {})[r["impl"]] = r
     out = []
+    several_commits = len({r["commit"] for r in records}) > 1  # merged runs
     for (op, variant, dtype, pass_), by_n in groups.items():
         title = op if variant == "plain" else f"{op} ({variant})"
+        if several_commits:
+            commits = {r["commit"] for by_impl in by_n.values() for r in by_impl.values()}
+            title += f" at {', '.join(sorted(commits))}"
         rows = []
         for n, by_impl in sorted(by_n.items()):
             row = {"N": n, "rows": next(iter(by_impl.values()))["M"]}

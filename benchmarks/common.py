@@ -226,8 +226,13 @@ def write_results(name: str, records: list[dict], table_md: str) -> tuple[Path, 
     out = results_dir()
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"
     json_path.write_text(json.dumps(records, indent=1) + "\n")
-    env = records[0] if records else env_info()  # where they were measured, also when merged
-    header = f"# {name}\n\n{env['device']}, torch {env['torch']}, commit {env['commit']}\n\n"
+    # Where they were measured, also when merged from runs at several commits.
+    envs = dict.fromkeys((r["device"], r["torch"], r["commit"]) for r in records)
+    if not envs:
+        env = env_info()
+        envs = {(env["device"], env["torch"], env["commit"]): None}
+    lines = "".join(f"{d}, torch {t}, commit {c}\n" for d, t, c in envs)
+    header = f"# {name}\n\n{lines}\n"
     md_path.write_text(header + table_md.rstrip() + "\n")
     return json_path, md_path
 
