@@ -533,13 +533,13 @@ class _Rewriter:
             return
         last = max(self.live.last_read(node), pos)
         later = node.next
-        while self.live.pos[later] <= last:
-            if later.op == "output":  # the caller would get a's memory with the product
+        while (at := self.live.pos.get(later)) is None or at <= last:
+            if at is None or later.op == "output":  # (output: the caller would get a's memory)
                 return
-            if self.live.allocates(later) and (
-                self.live.pos[later] != last or _nbytes(_tensor(later)) > _nbytes(out)
-            ):
-                return
+            if self.live.allocates(later):
+                value = _tensor(later)  # None: several values (max's values and indices)
+                if at != last or value is None or _nbytes(value) > _nbytes(out):
+                    return
             later = later.next
         value = t.as_strided(out.shape, out.stride())
         self._replace(node, matmul_over_left, (a, b), {}, a, value=value)

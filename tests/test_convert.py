@@ -404,6 +404,12 @@ def _allocation_before_product_read(m, x):
     return y[..., :8] * o
 
 
+def _product_read_by_a_tuple_op(m, x):
+    p, v = _probs(m, x)
+    top, _ = (p @ v).max(-1)  # the last reader makes two new tensors
+    return top
+
+
 NOT_REWRITTEN = {
     "input": (lambda m, x: torch.softmax(x, -1), "softmax_"),
     "parameter": (lambda m, x: torch.softmax(m.w, -1) @ x.transpose(-1, -2), "softmax_"),
@@ -421,6 +427,7 @@ NOT_REWRITTEN = {
     "product_returned": (_product_returned, "matmul_over_left"),
     "probs_read_after_product": (_probs_read_after_product, "matmul_over_left"),
     "allocation_before_product_read": (_allocation_before_product_read, "matmul_over_left"),
+    "product_read_by_a_tuple_op": (_product_read_by_a_tuple_op, "matmul_over_left"),
 }
 
 
