@@ -548,9 +548,10 @@ class _LastHiddenState(nn.Module):
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
 def test_transformers(kind, attn, device):
     model, config = _hf_model(kind, attn)
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, 9:] = 0  # padding: the eager attention adds a mask
+    # 24 tokens: at least the head dim (16), so eager's probs @ v can go over the probs.
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, 19:] = 0  # padding: the eager attention adds a mask
     converted = check_converted(
         _LastHiddenState(model).to(device), ids.to(device), mask.to(device)
     )
@@ -565,6 +566,8 @@ def test_transformers(kind, attn, device):
     if kind == "bert":  # post-norm: the embeddings' norm and two per layer
         assert len(norms) == 1 + 2 * layers
     assert len([s for s in sites if s.op in ("linear_", "square_matmul_")]) == layers
+    over_probs = [s for s in sites if s.op == "matmul_over_left"]
+    assert len(over_probs) == (layers if attn == "eager" else 0)
 
 
 class _InputIdsOnly(nn.Module):
