@@ -538,7 +538,7 @@ class _Rewriter:
                 return
             if self.live.allocates(later):
                 value = _tensor(later)  # None: several values (max's values and indices)
-                if at != last or value is None or _nbytes(value) > _nbytes(out):
+                if at != last or value is None or value.nbytes > out.nbytes:
                     return
             later = later.next
         value = t.as_strided(out.shape, out.stride())
@@ -1007,10 +1007,6 @@ def _is_number(c) -> bool:
 
 
 # --------------------------------------------------------------------------- fake values
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _tensor(arg) -> torch.Tensor | None:
