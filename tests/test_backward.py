@@ -203,13 +203,18 @@ def test_norm_grads_widths(device, dtype, rms, n):
         check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
 
 
-@pytest.mark.parametrize("shape", [(3000, 24), (600, 8200), (600, 8201)],
-                         ids=["resident", "cluster", "streamed"])
+@pytest.mark.parametrize("shape", [(3000, 24), (3000, 23), (3001, 1000), (3001, 1200),
+                                   (600, 8200), (600, 8201)],
+                         ids=["lanes", "lanes_scalar", "warps", "warps_uneven", "cluster",
+                              "streamed"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_norm_grads_many_rows(device, shape):
     """Many rows: the weight and bias gradients sum partials of many groups of rows (each
     CTA or cluster sums several rows, in registers when resident, in shared memory when
-    streamed: 8201 is odd, so its rows take the scalar path, streamed past 2048)."""
+    streamed: 8201 is odd, so its rows take the scalar path, streamed past 2048). Resident
+    CTAs hold several rows at once, of a few lanes (24; 23 on the scalar path) or of whole
+    warps (1000: 64 threads, 4 rows per CTA; 1200: 96 threads, 2 rows per CTA), and add
+    their rows' column sums in shared memory."""
     x, normalized, w, b = norm_case(device, F32, shape, 1, 11, True, True)
     check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
 

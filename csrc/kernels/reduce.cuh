@@ -36,20 +36,23 @@ __device__ __forceinline__ S warp_allreduce(S s, int width) {
   return s;
 }
 
-// Reduces the per-warp totals of a CTA that works on a single row; every thread must call it
-// with its warp's total and gets the CTA total. `buf` (kMaxWarps states) must not be in use
-// by the previous call: callers alternate two buffers, and the __syncthreads of the previous
-// call on the other buffer orders each read of this one before its next overwrite.
+// Reduces the per-warp totals of the rows of a CTA, each row held by `row_warps` consecutive
+// warps (by default the whole CTA holds one row); every thread must call it with its warp's
+// total and gets its row's total. `buf` (kMaxWarps states) must not be in use by the previous
+// call: callers alternate two buffers, and the __syncthreads of the previous call on the other
+// buffer orders each read of this one before its next overwrite.
 // The totals are folded by a butterfly in every aligned group of kMaxWarps lanes (a group's
-// lane i takes warp i's total, or the identity past the last warp), log2(kMaxWarps) combines
-// deep instead of a chain of one per warp; identity is exact under combine, and the butterfly
-// leaves the same bits in every lane (see warp_allreduce).
+// lane i takes the row's warp i's total, or the identity past its last warp), log2(kMaxWarps)
+// combines deep instead of a chain of one per warp; identity is exact under combine, and the
+// butterfly leaves the same bits in every lane (see warp_allreduce).
 template <class S>
-__device__ __forceinline__ S cta_allreduce(const S& warp_total, S* buf) {
-  if (threadIdx.x % kWarpSize == 0) buf[threadIdx.x / kWarpSize] = warp_total;
+__device__ __forceinline__ S cta_allreduce(const S& warp_total, S* buf,
+                                           int row_warps = blockDim.x / kWarpSize) {
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  if (threadIdx.x % kWarpSize == 0) buf[warp] = warp_total;
   __syncthreads();
   const int w = static_cast<int>(threadIdx.x) % kMaxWarps;
-  return warp_allreduce(w < static_cast<int>(blockDim.x) / kWarpSize ? buf[w] : S::identity(),
+  return warp_allreduce(w < row_warps ? buf[warp - warp % row_warps + w] : S::identity(),
                         kMaxWarps);
 }
 

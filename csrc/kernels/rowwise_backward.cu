@@ -2,8 +2,8 @@
 // and LayerNorm / RMSNorm (with their weight and bias gradients).
 //
 // One kernel serves both ops through a functor (SoftmaxBackwardOp, NormBackwardOp below). A
-// row belongs to a group of `tpr` threads: tpr <= 32 lanes (several rows per CTA), the whole
-// CTA (tpr == blockDim.x <= kMaxThreads), or on sm_90+ a cluster of `cluster` CTAs of
+// row belongs to a group of `tpr` threads: tpr <= 32 lanes, a run of whole warps (both with
+// as many rows per CTA as fit in kMaxThreads), or on sm_90+ a cluster of `cluster` CTAs of
 // kMaxThreads that reduce over distributed shared memory (kernels/reduce.cuh). Thread t of the
 // group owns the row's vectors t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring
 // vectors at a time), NV of them per step; in a cluster, CTA `rank` owns the rank-th run of
@@ -22,13 +22,13 @@
 // With every col_stride 1, 16-byte aligned rows (and mask rows, weight, bias) and n a multiple
 // of VEC, accesses move 16 bytes (VEC elements); otherwise the same kernel runs with VEC = 1.
 //
-// grad_weight / grad_bias (LayerNorm, RMSNorm): each group of threads sums grad * t
+// grad_weight / grad_bias (LayerNorm, RMSNorm): each CTA (cluster) sums grad * t
 // (t = y - bias = x_hat * weight) and grad over the rows it handles, per column, into its own
-// fp32 row of a scratch [P, n] (P = row groups, or clusters, the grid holds at once): in
-// registers on the resident paths (a thread owns the same columns in every row; the CTAs of a
-// cluster each fill their own columns of the cluster's row), in shared memory on the
-// streaming path, or in a column pass of its own (column_sums_kernel) where those sums fit in
-// no CTA's shared memory. A second kernel adds the P partial rows of each column in a fixed
+// fp32 row of a scratch [P, n] (P = CTAs, or clusters, the grid holds at once): in registers
+// on the resident paths (a thread owns the same columns in every row; the row groups of a CTA
+// add theirs at the end; the CTAs of a cluster each fill their own columns of the cluster's
+// row), in shared memory on the streaming path, or in a column pass of its own
+// (column_sums_kernel) where those sums fit in no CTA's shared memory. A second kernel adds the P partial rows of each column in a fixed
 // order, so the result does not depend on scheduling, and divides grad_weight's by the
 // weight. The scratch is bounded by max(kScratchFloor, bytes of grad_x / 4) (grid capped
 // accordingly).
@@ -158,7 +158,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // The division is by 1 but for rounding: the rounded probabilities of a stored output need
   // not sum to 1 (a 16-bit y, or a log-probability's shared offset), and where grad and s
   // cancel, that error would dominate grad_x. 0 for a row with no active element.
-  __device__ __forceinline__ Fin finish(const State& total, int64_t) const {
+  __device__ __forceinline__ Fin finish(const State& total, const Row&) const {
     return {Split<Acc>(total.b > Acc(0) ? total.a / total.b : Acc(0))};
   }
 
@@ -200,15 +200,19 @@ struct NormBackwardOp {
   const T* weight;  // nullptr or n contiguous elements
   const T* bias;
   const float* rstd;
-  float n;  // the row's length (exact below 2^24, and a mean's rounding past that)
+  float inv_n;  // 1 / the row's length: a row's means cost a multiply, not a division
   bool rms;
 
-  struct Row {};
+  // The row's saved rstd, read before the row is reduced (see backward_kernel), so that its
+  // latency hides behind the reduction instead of stalling the write after it.
+  struct Row {
+    float rstd;
+  };
   struct Fin {
     float rstd, mean_g, mean_gx;
   };
 
-  __device__ __forceinline__ Row row(int64_t) const { return {}; }
+  __device__ __forceinline__ Row row(int64_t r) const { return {rstd[r]}; }
 
   // t = y - bias = x_hat * weight, g_hat = grad * weight, and the weight (1 without one).
   // Everything but grad_x's x_hat term is written with t, so that no element needs a
@@ -241,8 +245,8 @@ struct NormBackwardOp {
     }
   }
 
-  __device__ __forceinline__ Fin finish(const State& total, int64_t r) const {
-    return {rstd[r], rms ? 0.f : total.a / n, total.b / n};
+  __device__ __forceinline__ Fin finish(const State& total, const Row& rc) const {
+    return {rc.rstd, rms ? 0.f : total.a * inv_n, total.b * inv_n};
   }
 
   // grad_x of one vector into out and, with kParams, grad * t and grad added to acc_w and
@@ -292,9 +296,13 @@ __host__ __device__ constexpr int staging_buffers(Path path, int vec) {
   return vec == 1 ? 0 : path == Path::kShared ? 2 : path == Path::kRegisters ? 1 : 0;
 }
 
-// Dynamic shared memory of a resident launch: its staging buffers.
-constexpr int64_t staged_backward_bytes(Path path, int vec, int nv, int threads) {
-  return staging_buffers(path, vec) * 2 * int64_t{nv} * threads * 16;
+// Dynamic shared memory of a resident launch: its staging buffers, and with parameter
+// gradients at least the CTA's per-thread column sums (the rows of a CTA add theirs there at
+// the end, see backward_kernel; only the scalar path, which stages nothing, needs more).
+constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads, bool params) {
+  const int64_t staged = staging_buffers(path, vec) * 2 * int64_t{nv} * threads * 16;
+  const int64_t sums = params ? int64_t{nv} * vec * threads * int64_t{sizeof(float)} : 0;
+  return staged > sums ? staged : sums;
 }
 
 template <class Op, typename T, int VEC, int NV, Path kPath, bool kParams>
@@ -314,7 +322,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   __shared__ ClusterExchange<State> exchange;
 
   const bool cta_rows = tpr > kWarpSize;
-  const int group = cta_rows ? static_cast<int>(blockDim.x) : tpr;
+  const int group = tpr;
   const int t = static_cast<int>(threadIdx.x) % group;
   const int rows_per_cta = static_cast<int>(blockDim.x) / group;
   const int sub_row = static_cast<int>(threadIdx.x) / group;
@@ -332,11 +340,11 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   const int v0 = rank * NV * group + t;
   auto column = [&](Col s, int k) -> Col { return (v0 + (s * NV + k) * group) * VEC; };
 
-  // This group's scratch rows (kParams): row p of the grad_weight and grad_bias partials, of
-  // which a cluster's CTAs each fill their own columns.
-  const int64_t p = first_group * rows_per_cta + sub_row;
-  float* part_w = kParams && part.w ? part.w + p * n : nullptr;
-  float* part_b = kParams && part.b ? part.b + p * n : nullptr;
+  // This CTA's scratch rows (kParams): row first_group of the grad_weight and grad_bias
+  // partials, which the row groups of a CTA fill together and the CTAs of a cluster each for
+  // their own columns.
+  float* part_w = kParams && part.w ? part.w + first_group * n : nullptr;
+  float* part_b = kParams && part.b ? part.b + first_group * n : nullptr;
   float acc_w[NV][VEC], acc_b[NV][VEC];  // resident paths' partial sums
   // Dynamic shared memory: the streaming path's sums (one row per CTA there) when they are
   // not in the scratch rows, or the resident vector paths' staged vectors (see below).
@@ -467,13 +475,13 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     // take the next row.
     if constexpr (kPrefetch) stage_row(grp + group_stride, 0);
     State total = warp_allreduce(mine, cta_rows ? kWarpSize : tpr);
-    if (cta_rows) total = cta_allreduce(total, warp_totals[rows_done % 2]);
+    if (cta_rows) total = cta_allreduce(total, warp_totals[rows_done % 2], group / kWarpSize);
     if constexpr (kShared) {
       if (cluster > 1) total = cluster_allreduce(total, exchange, rows_done, rank, cluster);
     }
     ++rows_done;
     if (!active) continue;  // no barrier follows in this iteration
-    const typename Op::Fin fin = op.finish(total, r);
+    const typename Op::Fin fin = op.finish(total, rc);
     T* xr = dx ? dx + L.grad_x.row.offset(r) : nullptr;
 
     for (Col s = 0; s < steps; ++s) {
@@ -513,18 +521,38 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     }
   }
   if constexpr (kParams && !kStream) {
-    // Every column of the row is owned by one thread of each group (cluster); groups that
-    // saw no row write zeros.
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const Col c0 = column(0, k);
-      if (c0 >= n) continue;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        if (part_w) part_w[c0 + j] = acc_w[k][j];
-        if (part_b) part_b[c0 + j] = acc_b[k][j];
+    // Every column of the row is owned by one thread of each row group; groups that saw no
+    // row add zeros. With one row group per CTA (or cluster) its threads write their sums
+    // straight into the scratch row. Several (rows of <= 32 lanes) add theirs in shared
+    // memory first, [sub_row][column], in sub-row order: a scratch row per group measured
+    // 8.6 MB of partials at N = 256 (bf16 LayerNorm on an H100), which sum_partials_kernel
+    // then took 34 us to read. The staging slots are free by then: every thread has waited
+    // for its last copies, and the first barrier orders all reads of them before the writes.
+    auto write_sums = [&](float (&acc)[NV][VEC], float* scratch_row) {
+      float* const rows = dynamic_smem;
+      const bool shared = rows_per_cta > 1;
+      if (shared) {
+        cp_async_wait<0>();
+        __syncthreads();
       }
-    }
+      float* const dst = shared ? rows + sub_row * n : scratch_row;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const Col c0 = column(0, k);
+        if (c0 >= n) continue;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dst[c0 + j] = acc[k][j];
+      }
+      if (!shared) return;
+      __syncthreads();
+      for (int c = static_cast<int>(threadIdx.x); c < n; c += static_cast<int>(blockDim.x)) {
+        float sum = rows[c];
+        for (int g = 1; g < rows_per_cta; ++g) sum += rows[g * n + c];
+        scratch_row[c] = sum;
+      }
+    };
+    if (part_w) write_sums(acc_w, part_w);
+    if (part_b) write_sums(acc_b, part_b);
   }
   // No CTA leaves while another may still send it a total.
   if constexpr (kShared) {
@@ -532,38 +560,66 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   }
 }
 
-// out[c] <- sum over p of partials[p * n + c], p in order, for the array blockIdx.y (0:
-// grad_weight when wanted, else grad_bias); grad_weight's partials sum grad * t, so its sums
-// are divided by weight[c] (0 where that is 0, as x_hat is there). Each warp of a CTA sums
-// every kSlices-th partial row for 32 columns, then one warp adds the kSlices sums in order.
+// Slices of the CTA's warps that share column_sums_kernel's rows.
 constexpr int kSlices = kMaxThreads / kWarpSize;
 
-template <typename T>
+// out[c] <- sum over p of partials[p * n + c], p in order, for the array blockIdx.y (0:
+// grad_weight when wanted, else grad_bias); grad_weight's partials sum grad * t, so its sums
+// are divided by weight[c] (0 where that is 0, as x_hat is there). A CTA owns kSumLanes * VEC
+// columns; its kSumSlices slices of kSumLanes threads each sum every kSumSlices-th partial
+// row of them (VEC floats per load, kSumChains rows in flight per thread), then one thread
+// per column adds the slices' sums in order. So many loads in flight matter: the partials
+// are a few MiB read by only n / (kSumLanes * VEC) CTAs per array (measured on an H100 with
+// 8 rows per slice, a load at a time, and a scalar per thread: 34 us for 8.6 MB at N = 256).
+constexpr int kSumLanes = 8;
+constexpr int kSumSlices = kMaxThreads / kSumLanes;
+constexpr int kSumChains = 4;
+
+template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxThreads)
     sum_partials_kernel(const Partials part, int64_t partial_rows, int64_t n, const T* weight,
                         T* grad_weight, T* grad_bias) {
-  __shared__ float sums[kSlices][kWarpSize];
+  constexpr int kCols = kSumLanes * VEC;
+  __shared__ float sums[kSumSlices][kCols];
   const bool weight_array = blockIdx.y == 0 && grad_weight != nullptr;
   const float* src = weight_array ? part.w : part.b;
   T* out = weight_array ? grad_weight : grad_bias;
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int slice = static_cast<int>(threadIdx.x) / kWarpSize;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kWarpSize + lane;
-  float s = 0.f;
-  if (c < n)
-    for (int64_t p = slice; p < partial_rows; p += kSlices) s += src[p * n + c];
-  sums[slice][lane] = s;
-  __syncthreads();
-  if (slice == 0 && c < n) {
-    float total = sums[0][lane];
+  const int lane = static_cast<int>(threadIdx.x) % kSumLanes;
+  const int slice = static_cast<int>(threadIdx.x) / kSumLanes;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kCols + lane * VEC;
+  float acc[kSumChains][VEC] = {};
+  if (c0 < n) {
+    auto add_row = [&](float (&a)[VEC], int64_t p) {
+      const Packed<float, VEC> v = load_vec<VEC>(src + p * n, c0, 1);
 #pragma unroll
-    for (int i = 1; i < kSlices; ++i) total += sums[i][lane];
-    if (weight_array) {
-      const float w = to_float(weight[c]);
-      total = w == 0.f ? 0.f : total / w;
+      for (int j = 0; j < VEC; ++j) a[j] += v.v[j];
+    };
+    int64_t p = slice;
+    for (; p + (kSumChains - 1) * kSumSlices < partial_rows; p += kSumChains * kSumSlices) {
+#pragma unroll
+      for (int i = 0; i < kSumChains; ++i) add_row(acc[i], p + i * kSumSlices);
     }
-    out[c] = from_float<T>(total);
+    for (; p < partial_rows; p += kSumSlices) add_row(acc[0], p);
   }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    float s = acc[0][j];
+#pragma unroll
+    for (int i = 1; i < kSumChains; ++i) s += acc[i][j];
+    sums[slice][lane * VEC + j] = s;
+  }
+  __syncthreads();
+  const int col = static_cast<int>(threadIdx.x);
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kCols + col;
+  if (col >= kCols || c >= n) return;
+  float total = sums[0][col];
+#pragma unroll
+  for (int i = 1; i < kSumSlices; ++i) total += sums[i][col];
+  if (weight_array) {
+    const float w = to_float(weight[c]);
+    total = w == 0.f ? 0.f : total / w;
+  }
+  out[c] = from_float<T>(total);
 }
 
 // Streamed rows whose parameter gradient sums fit in no CTA's shared memory: backward_kernel
@@ -626,7 +682,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 // else streamed.
 struct Shape {
   int threads = 0;  // CTA size
-  int tpr = 0;      // threads per row (== threads: the CTA's, or its cluster's, row)
+  int tpr = 0;      // threads per row (a divisor of threads; on a cluster, the CTA's share)
   int cluster = 1;  // CTAs per row: > 1 only on the shared path on sm_90+
   Path path = Path::kRegisters;
 };
@@ -640,7 +696,10 @@ Shape pick_shape(int64_t vecs, int reg_nv, int shared_nv, int max_cluster) {
     return s;
   }
   if (vecs <= int64_t{kMaxThreads} * reg_nv) {
-    s.threads = s.tpr = static_cast<int>(round_up(ceil_div(vecs, reg_nv), kWarpSize));
+    // As many rows per CTA as fit in kMaxThreads: with parameter gradients each CTA writes
+    // one scratch row, so fewer, larger CTAs mean fewer partial sums to write and add.
+    s.tpr = static_cast<int>(round_up(ceil_div(vecs, reg_nv), kWarpSize));
+    s.threads = s.tpr * (kMaxThreads / s.tpr);
     return s;
   }
   // As few full CTAs as hold the row (any count: a power of two would leave up to half of
@@ -670,7 +729,7 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
     return slot->load(std::memory_order_relaxed) - 1;
   constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
   const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams>;
-  const int64_t smem = staged_backward_bytes(kPath, VEC, NV, threads);
+  const int64_t smem = resident_backward_smem(kPath, VEC, NV, threads, kParams);
   const int units =
       occupancy_units(kernel, threads, cluster, static_cast<size_t>(smem), sm_count);
   if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
@@ -729,13 +788,13 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
     else if (l.vec)
       l.shape = kStreamShape;
   }
-  const int64_t rows_per_cta = l.shape.tpr > kWarpSize ? 1 : l.shape.threads / l.shape.tpr;
+  const int64_t rows_per_cta = l.shape.threads / l.shape.tpr;
   const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
   if (params) {
     const int64_t bound =
         std::max(kScratchFloor, L.y.rows * n * static_cast<int64_t>(sizeof(T)) / 4);
-    // Scratch of one row group (a CTA, or a cluster whose CTAs fill one row together).
-    const int64_t per_unit = rows_per_cta * n * param_arrays * static_cast<int64_t>(sizeof(float));
+    // Scratch of one CTA (or cluster), whose row groups fill one row per array together.
+    const int64_t per_unit = n * param_arrays * static_cast<int64_t>(sizeof(float));
     // Streamed rows sum in shared memory where a CTA's sums fit (two CTAs per multiprocessor,
     // as the launch bounds ask, or else one; 1 KiB stays for the kernel's static shared
     // memory). Where they fit in none, column_sums_kernel sums them in a pass of its own. (A
@@ -763,7 +822,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   }
   const int64_t units = std::max<int64_t>(1, std::min(row_groups, max_units));
   l.grid = units * l.shape.cluster;
-  l.partial_rows = L.y.rows == 0 ? 0 : units * rows_per_cta;
+  l.partial_rows = L.y.rows == 0 ? 0 : units;
   return l;
 }
 
@@ -796,7 +855,7 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     config.gridDim = dim3(grid);
     config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
     config.dynamicSmemBytes =
-        static_cast<size_t>(staged_backward_bytes(kPath, VEC, NV, l.shape.threads));
+        static_cast<size_t>(resident_backward_smem(kPath, VEC, NV, l.shape.threads, kParams));
     config.stream = stream;
     cudaLaunchAttribute dims;
     dims.id = cudaLaunchAttributeClusterDimension;
@@ -928,7 +987,7 @@ cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const Bac
   op.weight = weight;
   op.bias = bias;
   op.rstd = rstd;
-  op.n = static_cast<float>(n);
+  op.inv_n = 1.f / static_cast<float>(n);
   op.rms = rms;
   const bool aligned = norm_aligned(y, grad, grad_x, rows, weight, bias, sizeof(T));
   const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, aligned, arrays, device, dev);
@@ -951,9 +1010,18 @@ cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const Bac
     if (err != cudaSuccess) return err;
   }
   if (arrays == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(ceil_div(n, kWarpSize)), static_cast<unsigned>(arrays));
-  sum_partials_kernel<T><<<grid, kMaxThreads, 0, stream>>>(part, l.partial_rows, n, weight,
-                                                           grad_weight, grad_bias);
+  // 16-byte loads where every partial row is 16-byte aligned (the scratch is, and n % 4 == 0
+  // keeps the rows so).
+  constexpr int kSumVec = 4;
+  const bool vec = n % kSumVec == 0 && reinterpret_cast<uintptr_t>(scratch) % 16 == 0;
+  const dim3 grid(static_cast<unsigned>(ceil_div(n, int64_t{kSumLanes} * (vec ? kSumVec : 1))),
+                  static_cast<unsigned>(arrays));
+  if (vec)
+    sum_partials_kernel<T, kSumVec><<<grid, kMaxThreads, 0, stream>>>(
+        part, l.partial_rows, n, weight, grad_weight, grad_bias);
+  else
+    sum_partials_kernel<T, 1><<<grid, kMaxThreads, 0, stream>>>(part, l.partial_rows, n, weight,
+                                                                grad_weight, grad_bias);
   return cudaGetLastError();
 }
 
