@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import make_torch_inplace as mti
@@ -65,6 +65,10 @@ def check_rms_norm(device, dtype, lead, normalized, layout, seed, with_weight, e
 @settings(max_examples=examples(30))
 @given(case=norm_cases(), with_weight=st.booleans(), with_bias=st.booleans(),
        eps=st.sampled_from([1e-5, 1e-6, 1e-2]), seed=seeds)
+# Found on the H100: the fp32 CUDA kernel normalized x - pivot (the row's first element),
+# itself rounded, and reached 3.2x PyTorch's error; it now subtracts the mean from x.
+@example(case=((), (5, 7, 18), "contiguous"), with_weight=True, with_bias=True, eps=1e-5,
+         seed=3609)
 def test_layer_norm(device, dtype, case, with_weight, with_bias, eps, seed):
     lead, normalized, layout = case
     check_layer_norm(device, dtype, lead, normalized, layout, seed, with_weight, with_bias, eps)

@@ -104,9 +104,9 @@ template <typename T>
 struct LayerNormOp : NormOpBase<T, MeanM2> {
   const T* bias;
 
-  // The row is reduced and normalized relative to its first element: with a large common
-  // offset the statistics then keep their precision (and x - pivot is exact for nearby x), and
-  // the mean never has to be rounded at the offset's magnitude.
+  // The row is reduced relative to its first element: with a large common offset the
+  // statistics then keep their precision (and x - pivot is exact for nearby x), and the mean
+  // never has to be rounded at the offset's magnitude.
   struct Row {
     int64_t load_end;
     float pivot;
@@ -115,50 +115,72 @@ struct LayerNormOp : NormOpBase<T, MeanM2> {
     return {this->n, to_float(x_row[0])};
   }
 
+  // Where x - pivot is taken. 16-bit x: in prepare(), once per element, exactly (x has 8 or
+  // 11 significant bits) and with no effect on the rounding of a 16-bit output. fp32 x: z
+  // stays x, and local() subtracts the pivot on the fly, so that output() can subtract the
+  // mean from x itself: normalizing a rounded x - pivot adds a rounding of the size of
+  // x - pivot, which measured 3.2x PyTorch's error (H100, fp32, a row of 630).
+  static constexpr bool kShiftedZ = sizeof(T) < 4;
+
   template <int VEC>
   __device__ __forceinline__ void prepare(float (&v)[VEC], const NoAux&, const Row& rc,
                                           int cnt) const {
+    if constexpr (kShiftedZ) {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j)
-      if (j < cnt) v[j] -= rc.pivot;
+      for (int j = 0; j < VEC; ++j)
+        if (j < cnt) v[j] -= rc.pivot;
+    }
   }
 
   template <int NV, int VEC, class Valid>
-  __device__ __forceinline__ MeanM2 local(float (&z)[NV][VEC], Valid valid) const {
+  __device__ __forceinline__ MeanM2 local(float (&z)[NV][VEC], const Row& rc,
+                                          Valid valid) const {
+    const float shift = kShiftedZ ? 0.f : rc.pivot;
     float sum = 0.f, cnt = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k)
 #pragma unroll
       for (int j = 0; j < VEC; ++j)
         if (valid(k, j)) {
-          sum += z[k][j];
+          sum += kShiftedZ ? z[k][j] : z[k][j] - shift;
           cnt += 1.f;
         }
     if (cnt == 0.f) return MeanM2::identity();
     const float mean = __fdividef(sum, cnt);
+    // The deviations from the chunk's mean in z's terms: for an unshifted z that mean is
+    // rounded at the pivot's magnitude, an error m2 feels only squared.
+    const float center = kShiftedZ ? mean : shift + mean;
     float m2 = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k)
 #pragma unroll
       for (int j = 0; j < VEC; ++j)
         if (valid(k, j)) {
-          const float d = z[k][j] - mean;
+          const float d = z[k][j] - center;
           m2 = fmaf(d, d, m2);
         }
     return {cnt, mean, m2};
   }
 
+  // The mean that output() subtracts from z: relative to the pivot for a shifted z (lo 0),
+  // else pivot + mean as an unevaluated sum hi + lo (TwoSum: exact), so that z - hi - lo
+  // rounds about once, as x - mean does.
   struct Fin {
-    float mean, rstd;
+    float mean_hi, mean_lo, rstd;
   };
   using Out = Fin;
 
-  __device__ __forceinline__ Fin finish(const MeanM2& t) const {
+  __device__ __forceinline__ Fin finish(const MeanM2& t, const Row& rc) const {
     // Biased, as F.layer_norm. IEEE division and a correctly rounded rsqrt (not the 2-ulp
     // __fdividef / rsqrtf), once per row: the backward recovers x_hat from y and reads rstd,
     // so their rounding carries into the gradients.
     const float var = fmaxf(t.m2 / static_cast<float>(this->n), 0.f);
-    return {t.mean, __frsqrt_rn(var + this->eps)};
+    const float rstd = __frsqrt_rn(var + this->eps);
+    if constexpr (kShiftedZ) return {t.mean, 0.f, rstd};
+    const float hi = __fadd_rn(rc.pivot, t.mean);
+    const float back = __fsub_rn(hi, rc.pivot);
+    const float lo = __fadd_rn(__fsub_rn(rc.pivot, __fsub_rn(hi, back)), __fsub_rn(t.mean, back));
+    return {hi, lo, rstd};
   }
 
   template <int VEC>
@@ -167,7 +189,10 @@ struct LayerNormOp : NormOpBase<T, MeanM2> {
     load_param<VEC>(w, this->weight, c0, 1.f);
     load_param<VEC>(b, bias, c0, 0.f);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) v[j] = fmaf((v[j] - o.mean) * o.rstd, w[j], b[j]);
+    for (int j = 0; j < VEC; ++j) {
+      const float d = kShiftedZ ? v[j] - o.mean_hi : (v[j] - o.mean_hi) - o.mean_lo;
+      v[j] = fmaf(d * o.rstd, w[j], b[j]);
+    }
   }
 };
 
@@ -183,7 +208,7 @@ struct RmsNormOp : NormOpBase<T, SumSq> {
 
   // Unread columns are 0 and add nothing, so `valid` is not needed.
   template <int NV, int VEC, class Valid>
-  __device__ __forceinline__ SumSq local(float (&z)[NV][VEC], Valid) const {
+  __device__ __forceinline__ SumSq local(float (&z)[NV][VEC], const Row&, Valid) const {
     return {fold<NV * VEC>(
         [&](int i) { return z[i / VEC][i % VEC] * z[i / VEC][i % VEC]; }, Add{})};
   }
@@ -193,7 +218,7 @@ struct RmsNormOp : NormOpBase<T, SumSq> {
   };
   using Out = Fin;
 
-  __device__ __forceinline__ Fin finish(const SumSq& t) const {
+  __device__ __forceinline__ Fin finish(const SumSq& t, const Row&) const {
     return {__frsqrt_rn(t.ss / static_cast<float>(this->n) + this->eps)};  // as LayerNorm's
   }
 

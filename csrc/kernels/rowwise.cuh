@@ -26,10 +26,10 @@
 //       when cnt is 0: read nothing then)
 //   void prepare<VEC>(float (&v)[VEC], const Aux<VEC>&, const Row&, int cnt) const;
 //       x -> z for the elements < cnt
-//   State local<NV, VEC>(float (&z)[NV][VEC], Valid valid) const;
+//   State local<NV, VEC>(float (&z)[NV][VEC], const Row&, Valid valid) const;
 //       the state of one thread's chunk; valid(k, j) tells whether z[k][j] is a column of the
 //       row. May rewrite z into the form output() expects (softmax stores exp(z - local max)).
-//   struct Fin; Fin finish(const State& total) const;           row constants
+//   struct Fin; Fin finish(const State& total, const Row&) const;   row constants
 //   struct Out; Out out(const Fin&, const State& chunk) const;  constants for one chunk
 //   void output<VEC>(float (&v)[VEC], const Out&, int64_t c0) const;  z -> y, a whole vector
 //   void save(int64_t row, const Fin&) const;                   per-row side output (rstd)
@@ -267,7 +267,7 @@ __device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], 
   int in_row[NV];
 #pragma unroll
   for (int k = 0; k < NV; ++k) in_row[k] = kFull ? VEC : count_before<VEC>(end, at.col(k, VEC));
-  return op.local(z, [&](int k, int j) { return kFull || j < in_row[k]; });
+  return op.local(z, rc, [&](int k, int j) { return kFull || j < in_row[k]; });
 }
 
 template <int NV, int VEC, class Op, class Src, typename Col, int kStride>
@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     if (cta_rows) total = cta_allreduce(total, warp_totals[rows_done % 2]);
     if (cluster > 1) total = cluster_allreduce(total, exchange, rows_done, rank, cluster);
     ++rows_done;
-    const typename Op::Fin fin = op.finish(total);
+    const typename Op::Fin fin = op.finish(total, rc);
     if (active && t == 0) op.save(r, fin);
 
     if constexpr (kStream) {

@@ -475,7 +475,9 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     // take the next row.
     if constexpr (kPrefetch) stage_row(grp + group_stride, 0);
     State total = warp_allreduce(mine, cta_rows ? kWarpSize : tpr);
-    if (cta_rows) total = cta_allreduce(total, warp_totals[rows_done % 2], group / kWarpSize);
+    if (cta_rows)
+      total = cta_allreduce(total, warp_totals[rows_done % 2], sub_row * (group / kWarpSize),
+                            group / kWarpSize);
     if constexpr (kShared) {
       if (cluster > 1) total = cluster_allreduce(total, exchange, rows_done, rank, cluster);
     }
@@ -565,28 +567,30 @@ constexpr int kSlices = kMaxThreads / kWarpSize;
 
 // out[c] <- sum over p of partials[p * n + c], p in order, for the array blockIdx.y (0:
 // grad_weight when wanted, else grad_bias); grad_weight's partials sum grad * t, so its sums
-// are divided by weight[c] (0 where that is 0, as x_hat is there). A CTA owns kSumLanes * VEC
-// columns; its kSumSlices slices of kSumLanes threads each sum every kSumSlices-th partial
-// row of them (VEC floats per load, kSumChains rows in flight per thread), then one thread
-// per column adds the slices' sums in order. So many loads in flight matter: the partials
-// are a few MiB read by only n / (kSumLanes * VEC) CTAs per array (measured on an H100 with
-// 8 rows per slice, a load at a time, and a scalar per thread: 34 us for 8.6 MB at N = 256).
-constexpr int kSumLanes = 8;
-constexpr int kSumSlices = kMaxThreads / kSumLanes;
+// are divided by weight[c] (0 where that is 0, as x_hat is there). The CTA's threads form
+// `slices` (a power of two <= kMaxThreads) slices of kMaxThreads / slices lanes; lane i owns
+// VEC columns, and slice s sums the partial rows s, s + slices, ... of them (kSumChains rows
+// in flight per thread); then the CTA adds the slices' sums of each column in order. The
+// launcher takes as many slices as there are partial rows, up to kSumMaxSlices: a few
+// hundred rows (N <= 4096) need many loads in flight per column (measured on an H100 with 8
+// slices, a load at a time and a scalar per thread: 34 us for the 8.6 MB at N = 256), a
+// few dozen (clusters, at N >= 8192) over many columns need few CTAs that each cover more.
+constexpr int kSumMaxSlices = 32;
 constexpr int kSumChains = 4;
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxThreads)
-    sum_partials_kernel(const Partials part, int64_t partial_rows, int64_t n, const T* weight,
-                        T* grad_weight, T* grad_bias) {
-  constexpr int kCols = kSumLanes * VEC;
-  __shared__ float sums[kSumSlices][kCols];
+    sum_partials_kernel(const Partials part, int64_t partial_rows, int64_t n, int slices,
+                        const T* weight, T* grad_weight, T* grad_bias) {
+  __shared__ float sums[kMaxThreads * VEC];  // [slice][column of the CTA]
   const bool weight_array = blockIdx.y == 0 && grad_weight != nullptr;
   const float* src = weight_array ? part.w : part.b;
   T* out = weight_array ? grad_weight : grad_bias;
-  const int lane = static_cast<int>(threadIdx.x) % kSumLanes;
-  const int slice = static_cast<int>(threadIdx.x) / kSumLanes;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kCols + lane * VEC;
+  const int lanes = kMaxThreads / slices;
+  const int cols = lanes * VEC;
+  const int lane = static_cast<int>(threadIdx.x) % lanes;
+  const int slice = static_cast<int>(threadIdx.x) / lanes;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * cols + lane * VEC;
   float acc[kSumChains][VEC] = {};
   if (c0 < n) {
     auto add_row = [&](float (&a)[VEC], int64_t p) {
@@ -595,31 +599,32 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int j = 0; j < VEC; ++j) a[j] += v.v[j];
     };
     int64_t p = slice;
-    for (; p + (kSumChains - 1) * kSumSlices < partial_rows; p += kSumChains * kSumSlices) {
+    for (; p + (kSumChains - 1) * slices < partial_rows; p += kSumChains * slices) {
 #pragma unroll
-      for (int i = 0; i < kSumChains; ++i) add_row(acc[i], p + i * kSumSlices);
+      for (int i = 0; i < kSumChains; ++i) add_row(acc[i], p + i * slices);
     }
-    for (; p < partial_rows; p += kSumSlices) add_row(acc[0], p);
+    for (; p < partial_rows; p += slices) add_row(acc[0], p);
   }
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
     float s = acc[0][j];
 #pragma unroll
     for (int i = 1; i < kSumChains; ++i) s += acc[i][j];
-    sums[slice][lane * VEC + j] = s;
+    sums[slice * cols + lane * VEC + j] = s;
   }
   __syncthreads();
-  const int col = static_cast<int>(threadIdx.x);
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kCols + col;
-  if (col >= kCols || c >= n) return;
-  float total = sums[0][col];
-#pragma unroll
-  for (int i = 1; i < kSumSlices; ++i) total += sums[i][col];
-  if (weight_array) {
-    const float w = to_float(weight[c]);
-    total = w == 0.f ? 0.f : total / w;
+  // Up to VEC columns per thread (one slice: every thread's columns).
+  for (int col = static_cast<int>(threadIdx.x); col < cols; col += kMaxThreads) {
+    const int64_t c = static_cast<int64_t>(blockIdx.x) * cols + col;
+    if (c >= n) break;
+    float total = sums[col];
+    for (int i = 1; i < slices; ++i) total += sums[i * cols + col];
+    if (weight_array) {
+      const float w = to_float(weight[c]);
+      total = w == 0.f ? 0.f : total / w;
+    }
+    out[c] = from_float<T>(total);
   }
-  out[c] = from_float<T>(total);
 }
 
 // Streamed rows whose parameter gradient sums fit in no CTA's shared memory: backward_kernel
@@ -1014,14 +1019,16 @@ cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const Bac
   // keeps the rows so).
   constexpr int kSumVec = 4;
   const bool vec = n % kSumVec == 0 && reinterpret_cast<uintptr_t>(scratch) % 16 == 0;
-  const dim3 grid(static_cast<unsigned>(ceil_div(n, int64_t{kSumLanes} * (vec ? kSumVec : 1))),
-                  static_cast<unsigned>(arrays));
+  const int slices =
+      static_cast<int>(std::min<int64_t>(kSumMaxSlices, next_pow2(std::max<int64_t>(1, l.partial_rows))));
+  const int64_t cols = int64_t{kMaxThreads} / slices * (vec ? kSumVec : 1);
+  const dim3 grid(static_cast<unsigned>(ceil_div(n, cols)), static_cast<unsigned>(arrays));
   if (vec)
     sum_partials_kernel<T, kSumVec><<<grid, kMaxThreads, 0, stream>>>(
-        part, l.partial_rows, n, weight, grad_weight, grad_bias);
+        part, l.partial_rows, n, slices, weight, grad_weight, grad_bias);
   else
-    sum_partials_kernel<T, 1><<<grid, kMaxThreads, 0, stream>>>(part, l.partial_rows, n, weight,
-                                                                grad_weight, grad_bias);
+    sum_partials_kernel<T, 1><<<grid, kMaxThreads, 0, stream>>>(part, l.partial_rows, n, slices,
+                                                                weight, grad_weight, grad_bias);
   return cudaGetLastError();
 }
 

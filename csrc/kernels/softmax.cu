@@ -109,7 +109,7 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   // softmax keeps e = exp(z - chunk max) in place of z, so that writing costs a multiply
   // instead of a second exp; log_softmax keeps z.
   template <int NV, int VEC, class Valid>
-  __device__ __forceinline__ MaxSum local(float (&z)[NV][VEC], Valid) const {
+  __device__ __forceinline__ MaxSum local(float (&z)[NV][VEC], const Row&, Valid) const {
     const float m = fold<NV * VEC>([&](int i) { return z[i / VEC][i % VEC]; }, Max{});
     const float ms = MaxSum::shift(m);
     if constexpr (sizeof(T) == 2 && VEC > 1) {
@@ -154,7 +154,7 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
     bool empty;   // nothing in the row takes part
   };
 
-  __device__ __forceinline__ Fin finish(const MaxSum& t) const {
+  __device__ __forceinline__ Fin finish(const MaxSum& t, const Row&) const {
     Fin f;
     f.m = t.m;
     f.empty = t.m == -INFINITY && t.s == 0.f;
