@@ -43,9 +43,9 @@ __device__ __forceinline__ S warp_allreduce(S s, int width) {
 
 // Reduces the per-warp totals of the rows of a CTA, each row held by `row_warps` consecutive
 // warps from `first_warp` on (by default the whole CTA holds one row); every thread must call
-// it with its warp's total and gets its row's total. `buf` (kMaxWarps states) must not be in use by the previous
-// call: callers alternate two buffers, and the __syncthreads of the previous call on the other
-// buffer orders each read of this one before its next overwrite.
+// it with its warp's total and gets its row's total. `buf` (kMaxWarps states) must not be in
+// use by the previous call: callers alternate two buffers, and the __syncthreads of the
+// previous call on the other buffer orders each read of this one before its next overwrite.
 // The totals are folded by a butterfly in every aligned group of kMaxWarps lanes (a group's
 // lane i takes the row's warp i's total, or the identity past its last warp), log2(kMaxWarps)
 // combines deep instead of a chain of one per warp; identity is exact under combine, and the

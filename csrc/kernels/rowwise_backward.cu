@@ -28,10 +28,10 @@
 // on the resident paths (a thread owns the same columns in every row; the row groups of a CTA
 // add theirs at the end; the CTAs of a cluster each fill their own columns of the cluster's
 // row), in shared memory on the streaming path, or in a column pass of its own
-// (column_sums_kernel) where those sums fit in no CTA's shared memory. A second kernel adds the P partial rows of each column in a fixed
-// order, so the result does not depend on scheduling, and divides grad_weight's by the
-// weight. The scratch is bounded by max(kScratchFloor, bytes of grad_x / 4) (grid capped
-// accordingly).
+// (column_sums_kernel) where those sums fit in no CTA's shared memory. A second kernel adds
+// the P partial rows of each column in a fixed order, so the result does not depend on
+// scheduling, and divides grad_weight's by the weight. The scratch is bounded by
+// max(kScratchFloor, bytes of grad_x / 4) (grid capped accordingly).
 #include "kernels/rowwise_backward.h"
 
 #include <cuda_bf16.h>
@@ -525,11 +525,12 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   if constexpr (kParams && !kStream) {
     // Every column of the row is owned by one thread of each row group; groups that saw no
     // row add zeros. With one row group per CTA (or cluster) its threads write their sums
-    // straight into the scratch row. Several (rows of <= 32 lanes) add theirs in shared
-    // memory first, [sub_row][column], in sub-row order: a scratch row per group measured
-    // 8.6 MB of partials at N = 256 (bf16 LayerNorm on an H100), which sum_partials_kernel
-    // then took 34 us to read. The staging slots are free by then: every thread has waited
-    // for its last copies, and the first barrier orders all reads of them before the writes.
+    // straight into the scratch row. Several (rows of a few lanes or of whole warps) add
+    // theirs in shared memory first, [sub_row][column], in sub-row order: a scratch row per
+    // group measured 8.6 MB of partials at N = 256 (bf16 LayerNorm on an H100), which
+    // sum_partials_kernel then took 34 us to read. The staging slots are free by then: every
+    // thread has waited for its last copies, and the first barrier orders all reads of them
+    // before the writes.
     auto write_sums = [&](float (&acc)[NV][VEC], float* scratch_row) {
       float* const rows = dynamic_smem;
       const bool shared = rows_per_cta > 1;
@@ -561,9 +562,6 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     if (cluster > 1) cluster_sync();
   }
 }
-
-// Slices of the CTA's warps that share column_sums_kernel's rows.
-constexpr int kSlices = kMaxThreads / kWarpSize;
 
 // out[c] <- sum over p of partials[p * n + c], p in order, for the array blockIdx.y (0:
 // grad_weight when wanted, else grad_bias); grad_weight's partials sum grad * t, so its sums
@@ -626,6 +624,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     out[c] = from_float<T>(total);
   }
 }
+
+// Slices of the CTA's warps that share column_sums_kernel's rows.
+constexpr int kSlices = kMaxThreads / kWarpSize;
 
 // Streamed rows whose parameter gradient sums fit in no CTA's shared memory: backward_kernel
 // computes grad_x only, and this kernel reads y and dy once more to sum grad * x_hat and grad
@@ -1019,8 +1020,8 @@ cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const Bac
   // keeps the rows so).
   constexpr int kSumVec = 4;
   const bool vec = n % kSumVec == 0 && reinterpret_cast<uintptr_t>(scratch) % 16 == 0;
-  const int slices =
-      static_cast<int>(std::min<int64_t>(kSumMaxSlices, next_pow2(std::max<int64_t>(1, l.partial_rows))));
+  const int slices = static_cast<int>(
+      std::min<int64_t>(kSumMaxSlices, next_pow2(std::max<int64_t>(1, l.partial_rows))));
   const int64_t cols = int64_t{kMaxThreads} / slices * (vec ? kSumVec : 1);
   const dim3 grid(static_cast<unsigned>(ceil_div(n, cols)), static_cast<unsigned>(arrays));
   if (vec)
