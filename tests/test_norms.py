@@ -122,6 +122,21 @@ def test_wide_rows(device, dtype):
         check_rms_norm(device, dtype, (rows,), (262144,), layout, 23, True, None)
 
 
+@pytest.mark.parametrize("n", [2048, 8192, 40960, 262144])
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_params_over_many_rows(device, dtype, n):
+    """Rows that a CTA or a cluster of CTAs holds, more of them than run at once: on CUDA a
+    thread then reads the weight and bias of its columns once (into shared memory, those up
+    to the last one given) and applies them to every row it handles."""
+    rows = 2 if device == "cpu" else (1 << 23) // n
+    for seed, (with_weight, with_bias) in enumerate(
+            [(True, True), (True, False), (False, True), (False, False)]):
+        check_layer_norm(device, dtype, (rows,), (n,), "contiguous", 30 + seed, with_weight,
+                         with_bias, 1e-5)
+        check_rms_norm(device, dtype, (rows,), (n,), "contiguous", 40 + seed, with_weight, None)
+
+
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)

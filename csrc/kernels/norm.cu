@@ -56,33 +56,19 @@ struct SumSq {
   }
 };
 
-// Per-column parameter (weight, bias) of the vector at c0 as floats; `absent` where the
-// parameter is not given. Parameters are contiguous, and 16-byte aligned when VEC > 1.
-template <int VEC, typename T>
-__device__ __forceinline__ void load_param(float (&p)[VEC], const T* src, int64_t c0,
-                                           float absent) {
-  if (src == nullptr) {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) p[j] = absent;
-  } else {
-    const Packed<T, VEC> raw = load_vec<VEC>(src, c0, 1);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) p[j] = to_float(raw.v[j]);
-  }
-}
-
 // What LayerNorm and RMSNorm share: statistics folded into one rstd per row that may be
-// saved, a per-column weight.
-template <typename T, class S>
+// saved, K per-column params (weight; LayerNorm's bias).
+template <typename T, class S, int K>
 struct NormOpBase {
   using State = S;
   static constexpr float kPad = 0.f;
   // No prefetching (see row_kernel): measured on an H100, it made RMSNorm slower at most N.
   static constexpr bool kStage = false;
+  static constexpr int kParams = K;
   template <int VEC>
   using Aux = NoAux;
 
-  const T* weight;
+  ColumnParams<T, K> params;
   float* rstd_out;
   float eps;
   int64_t n;
@@ -101,9 +87,7 @@ struct NormOpBase {
 };
 
 template <typename T>
-struct LayerNormOp : NormOpBase<T, MeanM2> {
-  const T* bias;
-
+struct LayerNormOp : NormOpBase<T, MeanM2, 2> {
   // The row is reduced relative to its first element: with a large common offset the
   // statistics then keep their precision (and x - pivot is exact for nearby x), and the mean
   // never has to be rounded at the offset's magnitude.
@@ -184,20 +168,18 @@ struct LayerNormOp : NormOpBase<T, MeanM2> {
   }
 
   template <int VEC>
-  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t c0) const {
-    float w[VEC], b[VEC];
-    load_param<VEC>(w, this->weight, c0, 1.f);
-    load_param<VEC>(b, bias, c0, 0.f);
+  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o,
+                                         const ParamValues<2, VEC>& p) const {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float d = kShiftedZ ? v[j] - o.mean_hi : (v[j] - o.mean_hi) - o.mean_lo;
-      v[j] = fmaf(d * o.rstd, w[j], b[j]);
+      v[j] = fmaf(d * o.rstd, p.v[0][j], p.v[1][j]);
     }
   }
 };
 
 template <typename T>
-struct RmsNormOp : NormOpBase<T, SumSq> {
+struct RmsNormOp : NormOpBase<T, SumSq, 1> {
   struct Row {
     int64_t load_end;
   };
@@ -223,11 +205,10 @@ struct RmsNormOp : NormOpBase<T, SumSq> {
   }
 
   template <int VEC>
-  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t c0) const {
-    float w[VEC];
-    load_param<VEC>(w, this->weight, c0, 1.f);
+  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o,
+                                         const ParamValues<1, VEC>& p) const {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) v[j] = v[j] * o.rstd * w[j];
+    for (int j = 0; j < VEC; ++j) v[j] = v[j] * o.rstd * p.v[0][j];
   }
 };
 
@@ -244,8 +225,7 @@ template <typename T>
 cudaError_t launch_layer_norm(T* x, const RowLayout& layout, const T* weight, const T* bias,
                               float eps, float* rstd_out, cudaStream_t stream) {
   LayerNormOp<T> op;
-  op.weight = weight;
-  op.bias = bias;
+  op.params = {{weight, bias}, {1.f, 0.f}};
   op.rstd_out = rstd_out;
   op.eps = eps;
   op.n = layout.n;
@@ -256,7 +236,7 @@ template <typename T>
 cudaError_t launch_rms_norm(T* x, const RowLayout& layout, const T* weight, float eps,
                             float* rstd_out, cudaStream_t stream) {
   RmsNormOp<T> op;
-  op.weight = weight;
+  op.params = {{weight}, {1.f}};
   op.rstd_out = rstd_out;
   op.eps = eps;
   op.n = layout.n;

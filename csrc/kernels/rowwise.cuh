@@ -31,7 +31,10 @@
 //       row. May rewrite z into the form output() expects (softmax stores exp(z - local max)).
 //   struct Fin; Fin finish(const State& total, const Row&) const;   row constants
 //   struct Out; Out out(const Fin&, const State& chunk) const;  constants for one chunk
-//   void output<VEC>(float (&v)[VEC], const Out&, int64_t c0) const;  z -> y, a whole vector
+//   static constexpr int kParams;   per-column inputs of output() (a norm's weight and bias)
+//   ColumnParams<T, kParams> params;
+//   void output<VEC>(float (&v)[VEC], const Out&, const ParamValues<kParams, VEC>&) const;
+//       z -> y, a whole vector, given the params of its columns
 //   void save(int64_t row, const Fin&) const;                   per-row side output (rstd)
 #pragma once
 
@@ -107,6 +110,25 @@ struct Min {
 
 // The Aux of an op that reads nothing but x.
 struct NoAux {};
+
+// Per-column inputs that an op's output() applies (a norm's weight and bias): K pointers, each
+// to n contiguous elements (16-byte aligned on the vector paths) or nullptr, and the value that
+// every column of an absent one takes (1 for a weight, 0 for a bias).
+template <typename T, int K>
+struct ColumnParams {
+  const T* ptr[K];
+  float absent[K];
+};
+template <typename T>
+struct ColumnParams<T, 0> {};
+
+// The K params of one vector's columns, as floats.
+template <int K, int VEC>
+struct ParamValues {
+  float v[K][VEC];
+};
+template <int VEC>
+struct ParamValues<0, VEC> {};
 
 // The vector of VEC elements from column c0 of a row. VEC > 1 only where col_stride is 1, row
 // starts are 16-byte aligned and n is a multiple of VEC, so a vector that starts in the row
@@ -200,6 +222,54 @@ struct StagedVectors {
   }
 };
 
+// Where write_vectors() reads param i of a thread's vector k (at column c0) from: for the
+// first kCached params, the thread's slots in shared memory (see cache_param), vector k at
+// slots[(i * NV + k) * stride]; for the others global memory, or their value if absent.
+template <int NV, int VEC, typename T, int K, int kCached>
+struct ParamReader {
+  const ColumnParams<T, K>& params;
+  const Packed<T, VEC>* slots;
+  int stride;
+  template <typename Col>
+  __device__ __forceinline__ ParamValues<K, VEC> operator()(int k, Col c0) const {
+    ParamValues<K, VEC> p;
+    if constexpr (K > 0) {
+#pragma unroll
+      for (int i = 0; i < K; ++i) {
+        if (i < kCached) {
+          to_floats(p.v[i], slots[(i * NV + k) * stride]);
+        } else if (params.ptr[i] != nullptr) {
+          to_floats(p.v[i], load_vec<VEC>(params.ptr[i], c0, 1));
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) p.v[i][j] = params.absent[i];
+        }
+      }
+    }
+    return p;
+  }
+};
+
+// Copies `param` (or its value where absent) at this thread's vectors that start before n into
+// its slots: vector k to slots[k * stride]. Off the streaming path a thread owns the same
+// columns of every row it handles, so a cached param is read from global memory once per
+// kernel, not once per row: for a long row the params miss L1, and their loads held up the
+// stores of the write loop (H100: fp32 RMSNorm at N = 262144 ran at 0.70x of a copy with a
+// weight, 0.93x without).
+template <int NV, int VEC, typename T, typename Col, int kStride>
+__device__ __forceinline__ void cache_param(Packed<T, VEC>* slots, int stride, const T* param,
+                                            float absent, const StepCursor<Col, kStride>& at,
+                                            Col n) {
+  Packed<T, VEC> value;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) value.v[j] = from_float<T>(absent);
+#pragma unroll 1
+  for (int k = 0; k < NV; ++k) {
+    const Col c0 = at.col(k, VEC);
+    if (c0 < n) slots[k * stride] = param != nullptr ? load_vec<VEC>(param, c0, 1) : value;
+  }
+}
+
 // Starts copying this thread's vectors of one step that begin before `load_end` into its
 // slots (the layout of StagedVectors) in the background: one cp.async commit group.
 template <int NV, int VEC, typename T, typename Col, int kStride>
@@ -283,30 +353,31 @@ __device__ __forceinline__ typename Op::State read_step(float (&z)[NV][VEC], con
 
 // Turns one step of z into outputs and stores the vectors that start before `end` (and so lie
 // in the row whole).
-template <bool kFull, int NV, int VEC, class Op, typename T, typename Col, int kStride>
+template <bool kFull, int NV, int VEC, class Op, class Params, typename T, typename Col,
+          int kStride>
 __device__ __forceinline__ void write_vectors(float (&z)[NV][VEC], const Op& op,
-                                              const typename Op::Out& out, T* row,
-                                              const StepCursor<Col, kStride>& at, int64_t col_stride,
-                                              Col end) {
+                                              const typename Op::Out& out, const Params& params,
+                                              T* row, const StepCursor<Col, kStride>& at,
+                                              int64_t col_stride, Col end) {
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const Col c0 = at.col(k, VEC);
     if (kFull || c0 < end) {
-      op.template output<VEC>(z[k], out, c0);
+      op.template output<VEC>(z[k], out, params(k, c0));
       store_vec<VEC>(row, c0, col_stride, z[k]);
     }
   }
 }
 
-template <int NV, int VEC, class Op, typename T, typename Col, int kStride>
+template <int NV, int VEC, class Op, class Params, typename T, typename Col, int kStride>
 __device__ __forceinline__ void write_step(float (&z)[NV][VEC], const Op& op,
-                                           const typename Op::Out& out, T* row,
-                                           const StepCursor<Col, kStride>& at, int64_t col_stride,
-                                           Col end) {
+                                           const typename Op::Out& out, const Params& params,
+                                           T* row, const StepCursor<Col, kStride>& at,
+                                           int64_t col_stride, Col end) {
   if (at.col(NV - 1, VEC) + VEC <= end)
-    write_vectors<true>(z, op, out, row, at, col_stride, end);
+    write_vectors<true>(z, op, out, params, row, at, col_stride, end);
   else
-    write_vectors<false>(z, op, out, row, at, col_stride, end);
+    write_vectors<false>(z, op, out, params, row, at, col_stride, end);
 }
 
 enum class RowPath { kResident, kCluster, kStream };
@@ -315,6 +386,16 @@ enum class RowPath { kResident, kCluster, kStream };
 template <class Op>
 __host__ __device__ constexpr bool staged_path(RowPath path, int vec) {
   return Op::kStage && path != RowPath::kStream && vec > 1;
+}
+
+// How many params a launch would cache: up to the last one given (not nullptr).
+template <typename T, int K>
+int params_to_cache(const ColumnParams<T, K>& params) {
+  int count = 0;
+  if constexpr (K > 0)
+    for (int i = 0; i < K; ++i)
+      if (params.ptr[i] != nullptr) count = i + 1;
+  return count;
 }
 
 // One kernel for every path. kResident and kStream: a row belongs to a group of `tpr`
@@ -329,11 +410,16 @@ __host__ __device__ constexpr bool staged_path(RowPath path, int vec) {
 //
 // kStaged (ops with Op::kStage, resident and cluster rows read by vectors): while a row is
 // reduced and written, the thread's vectors of its next row are already on their way into
-// shared memory (cp.async, staged_bytes() of dynamic shared memory: NV vectors per thread).
+// shared memory (cp.async, row_smem_bytes() of dynamic shared memory: NV vectors per thread).
 // Without it the loads of a row start only once the previous row is written, and the memory
 // system idles through every reduction; that costs most where the arithmetic per byte is
 // highest (16-bit softmax).
-template <class Op, typename T, int VEC, int NV, RowPath kPath>
+//
+// kCached (ops with Op::kParams; not on the streaming path): the first kCached params (their
+// value where absent) are copied into shared memory once (cache_param, after the staged
+// vectors) and read from there in every row's write loop, the others from global memory (see
+// ParamReader).
+template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
 __global__ void __launch_bounds__(kMaxThreads, 2)
     row_kernel(T* __restrict__ x, const RowLayout layout, const Op op, const int tpr,
                const int cluster) {
@@ -342,6 +428,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   constexpr bool kStream = kPath == RowPath::kStream;
   constexpr bool kStaged = staged_path<Op>(kPath, VEC);
   constexpr int kStride = kPath == RowPath::kCluster ? kMaxThreads : 0;
+  static_assert(kCached == 0 || !kStream, "a streamed row's columns change from step to step");
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
   using Cursor = StepCursor<Col, kStride>;
@@ -380,6 +467,16 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     cluster_exchange_init(exchange);
     cluster_sync();
   }
+  Vec* const param_slots = staged + (kStaged ? NV * blockDim.x : 0) + threadIdx.x;
+  if constexpr (kCached > 0) {
+#pragma unroll
+    for (int i = 0; i < kCached; ++i)
+      cache_param<NV>(param_slots + i * NV * blockDim.x, static_cast<int>(blockDim.x),
+                      op.params.ptr[i], op.params.absent[i], Cursor{t, lane_group},
+                      static_cast<Col>(layout.n));
+  }
+  const ParamReader<NV, VEC, T, Op::kParams, kCached> params{op.params, param_slots,
+                                                             static_cast<int>(blockDim.x)};
   typename Op::Row staged_rc{};
   if constexpr (kStaged) staged_rc = stage_row(blockIdx.x / cluster);
   unsigned rows_done = 0;  // by this thread: picks the reduction buffers
@@ -431,10 +528,10 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
       for (Col s = 0; s < steps; ++s) {
         const Cursor at{s * step_vecs + t, lane_group};
         const State chunk = read_step(z, op, from_global, rc, at, load_end, end);
-        write_step(z, op, op.out(fin, chunk), row, at, col_stride, end);
+        write_step(z, op, op.out(fin, chunk), params, row, at, col_stride, end);
       }
     } else {
-      write_step(z, op, op.out(fin, mine), row, Cursor{t, lane_group}, col_stride, end);
+      write_step(z, op, op.out(fin, mine), params, row, Cursor{t, lane_group}, col_stride, end);
     }
   }
   // No CTA leaves while another may still send it a total.
@@ -483,10 +580,11 @@ inline cudaError_t current_device(int* device, DeviceInfo* info) {
   return cudaSuccess;
 }
 
-// Dynamic shared memory of a launch of row_kernel: the staged vectors.
-template <class Op, typename T, int VEC, int NV, RowPath kPath>
-constexpr size_t staged_bytes(int threads) {
-  return staged_path<Op>(kPath, VEC) ? size_t{NV} * threads * sizeof(Packed<T, VEC>) : 0;
+// Dynamic shared memory of a launch of row_kernel: the staged vectors, then the cached params.
+template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
+constexpr size_t row_smem_bytes(int threads) {
+  const int slots = (staged_path<Op>(kPath, VEC) ? NV : 0) + kCached * NV;
+  return static_cast<size_t>(slots) * threads * sizeof(Packed<T, VEC>);
 }
 
 // How many CTAs (clusters of `cluster` CTAs when cluster > 1) of `threads` threads with
@@ -531,7 +629,7 @@ int occupancy_units(Kernel kernel, int threads, int cluster, size_t smem, int sm
 }
 
 // occupancy_units() of row_kernel, queried once per device, CTA size and cluster size.
-template <class Op, typename T, int VEC, int NV, RowPath kPath>
+template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
 int resident_units(int device, int threads, int cluster, int sm_count) {
   // By device, threads / 32, log2(cluster): the answer + 1; 0 = not queried yet.
   static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1][5];
@@ -541,25 +639,27 @@ int resident_units(int device, int threads, int cluster, int sm_count) {
       device < kMaxDevices ? &cache[device][threads / kWarpSize][log2c] : nullptr;
   if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
     return slot->load(std::memory_order_relaxed) - 1;
-  const int units = occupancy_units(row_kernel<Op, T, VEC, NV, kPath>, threads, cluster,
-                                    staged_bytes<Op, T, VEC, NV, kPath>(threads), sm_count);
+  const int units =
+      occupancy_units(row_kernel<Op, T, VEC, NV, kPath, kCached>, threads, cluster,
+                      row_smem_bytes<Op, T, VEC, NV, kPath, kCached>(threads), sm_count);
   if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
   return units;
 }
 
 // Launches a grid of at most as many CTAs (clusters) as can be resident at once: each
 // strides over the rows, so that it stages its next row while working on the current one.
-template <class Op, typename T, int VEC, int NV, RowPath kPath>
+template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached = 0>
 cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int threads, int tpr,
                               int cluster, int device, int sm_count, cudaStream_t stream) {
   const int64_t rows_per_cta = tpr > kWarpSize ? 1 : threads / tpr;
   const int64_t row_groups = ceil_div(layout.rows, rows_per_cta);
-  const int units = resident_units<Op, T, VEC, NV, kPath>(device, threads, cluster, sm_count);
+  const int units =
+      resident_units<Op, T, VEC, NV, kPath, kCached>(device, threads, cluster, sm_count);
   const int64_t max_groups = std::max(units, sm_count / cluster);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(std::min(row_groups, max_groups) * cluster));
   config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = staged_bytes<Op, T, VEC, NV, kPath>(threads);
+  config.dynamicSmemBytes = row_smem_bytes<Op, T, VEC, NV, kPath, kCached>(threads);
   config.stream = stream;
   cudaLaunchAttribute dims;
   dims.id = cudaLaunchAttributeClusterDimension;
@@ -569,9 +669,36 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
   config.attrs = &dims;
   config.numAttrs = cluster > 1 ? 1 : 0;
   const cudaError_t err =
-      cudaLaunchKernelEx(&config, row_kernel<Op, T, VEC, NV, kPath>, x, layout, op, tpr,
-                         cluster);
+      cudaLaunchKernelEx(&config, row_kernel<Op, T, VEC, NV, kPath, kCached>, x, layout, op,
+                         tpr, cluster);
   return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+// launch_row_kernel() for rows that belong to a CTA or a cluster, with the first kCached (at
+// most) of the op's params cached: as many as there are up to the last one given, and as fit
+// in shared memory without fewer CTAs resident than with none (with fewer, less of the rows is
+// in flight: H100, fp32 LayerNorm at N = 262144 with weight and bias cached ran one CTA per SM
+// and at 0.39x of a copy, 0.59x with neither). Rows of a warp or less keep their params in
+// L1 and gained nothing from it.
+template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached = Op::kParams>
+cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int threads,
+                           int cluster, int device, int sm_count, cudaStream_t stream) {
+  if constexpr (kCached > 0) {
+    const int units =
+        params_to_cache(op.params) >= kCached
+            ? resident_units<Op, T, VEC, NV, kPath, kCached>(device, threads, cluster, sm_count)
+            : 0;
+    if (units > 0 &&
+        units >= resident_units<Op, T, VEC, NV, kPath, 0>(device, threads, cluster, sm_count))
+      return launch_row_kernel<Op, T, VEC, NV, kPath, kCached>(x, layout, op, threads, threads,
+                                                                cluster, device, sm_count,
+                                                                stream);
+    return launch_caching<Op, T, VEC, NV, kPath, kCached - 1>(x, layout, op, threads, cluster,
+                                                              device, sm_count, stream);
+  } else {
+    return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, threads, threads, cluster,
+                                                    device, sm_count, stream);
+  }
 }
 
 inline int64_t next_pow2(int64_t v) {
@@ -646,8 +773,8 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   constexpr int kCtaRowNV = kCtaRowRegs<Op, T> / VEC;
   if (vecs <= int64_t{kMaxThreads} * kCtaRowNV) {  // a CTA per row, as many threads as it takes
     const int threads = static_cast<int>(round_up(ceil_div(vecs, kCtaRowNV), kWarpSize));
-    return launch_row_kernel<Op, T, VEC, kCtaRowNV, RowPath::kResident>(
-        x, layout, op, threads, threads, 1, device, dev.sm_count, stream);
+    return launch_caching<Op, T, VEC, kCtaRowNV, RowPath::kResident>(x, layout, op, threads, 1,
+                                                                     device, dev.sm_count, stream);
   }
   // A CTA, or on sm_90+ a cluster of up to kMaxCluster CTAs, per row, kCtaNV vectors per
   // thread; streamed when no cluster holds it.
@@ -656,13 +783,13 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   while (cluster <= kMaxCluster && vecs > cluster * cta_vecs) cluster *= 2;
   if (cluster > kMaxCluster ||
       (cluster > 1 &&
-       !(dev.cluster_launch && resident_units<Op, T, VEC, kCtaNV, RowPath::kCluster>(
+       !(dev.cluster_launch && resident_units<Op, T, VEC, kCtaNV, RowPath::kCluster, 0>(
                                    device, kMaxThreads, cluster, dev.sm_count) > 0))) {
     return launch_row_kernel<Op, T, VEC, kStreamRegs / VEC, RowPath::kStream>(
         x, layout, op, kMaxThreads, kMaxThreads, 1, device, dev.sm_count, stream);
   }
-  return launch_row_kernel<Op, T, VEC, kCtaNV, RowPath::kCluster>(
-      x, layout, op, kMaxThreads, kMaxThreads, cluster, device, dev.sm_count, stream);
+  return launch_caching<Op, T, VEC, kCtaNV, RowPath::kCluster>(x, layout, op, kMaxThreads, cluster,
+                                                               device, dev.sm_count, stream);
 }
 
 }  // namespace mti

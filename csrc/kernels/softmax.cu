@@ -59,6 +59,8 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   static constexpr bool kStage = sizeof(T) == 2;
   // An unread column (causal limit, past the end) is a masked one.
   static constexpr float kPad = -INFINITY;
+  static constexpr int kParams = 0;
+  ColumnParams<T, 0> params;
   // Per vector: the additive mask's values, or the bool mask's bytes as one integer (kept
   // packed: a byte per register would crowd out the row).
   template <int VEC>
@@ -180,7 +182,8 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   }
 
   template <int VEC>
-  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o, int64_t) const {
+  __device__ __forceinline__ void output(float (&v)[VEC], const Out& o,
+                                         const ParamValues<0, VEC>&) const {
     // One branch on `log` per vector: written as a select per element, it compiled to a
     // branch and reconvergence per element (4 instructions where softmax needs 1).
     if (!log) {
