@@ -250,23 +250,29 @@ struct ParamReader {
   }
 };
 
-// Copies `param` (or its value where absent) at this thread's vectors that start before n into
-// its slots: vector k to slots[k * stride]. Off the streaming path a thread owns the same
-// columns of every row it handles, so a cached param is read from global memory once per
-// kernel, not once per row: for a long row the params miss L1, and their loads held up the
-// stores of the write loop (H100: fp32 RMSNorm at N = 262144 ran at 0.70x of a copy with a
-// weight, 0.93x without).
+// Starts copying `param` (or writes its value where absent) at this thread's vectors that
+// start before n into its slots: vector k to slots[k * stride]; cp.async, so that the copies
+// run alongside the first row's loads (one at a time, they held the kernel's start up by a few
+// microseconds). Off the streaming path a thread owns the same columns of every row it handles,
+// so a cached param is read from global memory once per kernel, not once per row: for a long
+// row the params miss L1, and their loads held up the stores of the write loop (H100: fp32
+// RMSNorm at N = 262144 ran at 0.70x of a copy with a weight, 0.92x with it cached).
 template <int NV, int VEC, typename T, typename Col, int kStride>
 __device__ __forceinline__ void cache_param(Packed<T, VEC>* slots, int stride, const T* param,
                                             float absent, const StepCursor<Col, kStride>& at,
                                             Col n) {
+  static_assert(sizeof(Packed<T, VEC>) == 16, "cp.async copies 16-byte vectors");
   Packed<T, VEC> value;
 #pragma unroll
   for (int j = 0; j < VEC; ++j) value.v[j] = from_float<T>(absent);
-#pragma unroll 1
+#pragma unroll
   for (int k = 0; k < NV; ++k) {
     const Col c0 = at.col(k, VEC);
-    if (c0 < n) slots[k * stride] = param != nullptr ? load_vec<VEC>(param, c0, 1) : value;
+    if (c0 >= n) continue;
+    if (param != nullptr)
+      copy16(&slots[k * stride], param + c0, true);
+    else
+      slots[k * stride] = value;
   }
 }
 
@@ -474,6 +480,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
       cache_param<NV>(param_slots + i * NV * blockDim.x, static_cast<int>(blockDim.x),
                       op.params.ptr[i], op.params.absent[i], Cursor{t, lane_group},
                       static_cast<Col>(layout.n));
+    cp_async_commit();  // before any staging: the first cp_async_wait of a staged row covers it
   }
   const ParamReader<NV, VEC, T, Op::kParams, kCached> params{op.params, param_slots,
                                                              static_cast<int>(blockDim.x)};
@@ -531,6 +538,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         write_step(z, op, op.out(fin, chunk), params, row, at, col_stride, end);
       }
     } else {
+      if constexpr (kCached > 0 && !kStaged) cp_async_wait<0>();  // the cached params are in
       write_step(z, op, op.out(fin, mine), params, row, Cursor{t, lane_group}, col_stride, end);
     }
   }
