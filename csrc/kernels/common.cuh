@@ -65,11 +65,19 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 
 // 16 bytes global -> shared; zeros instead when !in (src must still be a valid address).
+// kKeepInL1: the data also goes into L1 (cp.async.ca), for data that the other CTAs on the SM
+// read too; else only L2 holds it (.cg), for data read once.
+template <bool kKeepInL1 = false>
 __device__ __forceinline__ void copy16(void* dst, const void* src, bool in) {
 #if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(in ? 16 : 0)
-               : "memory");
+  if constexpr (kKeepInL1)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)),
+                 "l"(src), "r"(in ? 16 : 0)
+                 : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)),
+                 "l"(src), "r"(in ? 16 : 0)
+                 : "memory");
 #else
   *reinterpret_cast<uint4*>(dst) =
       in ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);

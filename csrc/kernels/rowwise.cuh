@@ -253,7 +253,7 @@ struct ParamReader {
 // Starts copying `param` (or writes its value where absent) at this thread's vectors that
 // start before n into its slots: vector k to slots[k * stride]; cp.async, so that the copies
 // run alongside the first row's loads (one at a time, they held the kernel's start up by a few
-// microseconds). Off the streaming path a thread owns the same columns of every row it handles,
+// microseconds), through L1, which the CTAs on an SM that own the same columns share. Off the streaming path a thread owns the same columns of every row it handles,
 // so a cached param is read from global memory once per kernel, not once per row: for a long
 // row the params miss L1, and their loads held up the stores of the write loop (H100: fp32
 // RMSNorm at N = 262144 ran at 0.70x of a copy with a weight, 0.92x with it cached).
@@ -270,7 +270,7 @@ __device__ __forceinline__ void cache_param(Packed<T, VEC>* slots, int stride, c
     const Col c0 = at.col(k, VEC);
     if (c0 >= n) continue;
     if (param != nullptr)
-      copy16(&slots[k * stride], param + c0, true);
+      copy16<true>(&slots[k * stride], param + c0, true);
     else
       slots[k * stride] = value;
   }
