@@ -682,13 +682,14 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
-// launch_row_kernel() with the first kCached (at most) of the op's params cached: as many as
-// there are up to the last one given, and as fit in shared memory without fewer CTAs resident
-// than with none (with fewer, less of the rows is in flight: H100, fp32 LayerNorm at
-// N = 262144 with weight and bias cached ran one CTA per SM and at 0.39x of a copy, 0.59x with
-// neither).
+// launch_row_kernel() for rows that belong to a CTA or a cluster, with the first kCached (at
+// most) of the op's params cached: as many as there are up to the last one given, and as fit
+// in shared memory without fewer CTAs resident than with none (with fewer, less of the rows is
+// in flight: H100, fp32 LayerNorm at N = 262144 with weight and bias cached ran one CTA per SM
+// and at 0.39x of a copy, 0.59x with neither). Rows of a warp or less keep their params in
+// L1 and gained nothing from it.
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached = Op::kParams>
-cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int threads, int tpr,
+cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int threads,
                            int cluster, int device, int sm_count, cudaStream_t stream) {
   if constexpr (kCached > 0) {
     const int units =
@@ -697,13 +698,13 @@ cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int thre
             : 0;
     if (units > 0 &&
         units >= resident_units<Op, T, VEC, NV, kPath, 0>(device, threads, cluster, sm_count))
-      return launch_row_kernel<Op, T, VEC, NV, kPath, kCached>(x, layout, op, threads, tpr,
+      return launch_row_kernel<Op, T, VEC, NV, kPath, kCached>(x, layout, op, threads, threads,
                                                                 cluster, device, sm_count,
                                                                 stream);
-    return launch_caching<Op, T, VEC, NV, kPath, kCached - 1>(x, layout, op, threads, tpr,
-                                                              cluster, device, sm_count, stream);
+    return launch_caching<Op, T, VEC, NV, kPath, kCached - 1>(x, layout, op, threads, cluster,
+                                                              device, sm_count, stream);
   } else {
-    return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, threads, tpr, cluster,
+    return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, threads, threads, cluster,
                                                     device, sm_count, stream);
   }
 }
@@ -774,17 +775,14 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
       case 1: return launch(std::integral_constant<int, 1>{});
       case 2: return launch(std::integral_constant<int, 2>{});
       case 4: return launch(std::integral_constant<int, 4>{});
-      default:
-        // The widest of these rows (16-bit: N >= 256; fp32: N > 512) cache their params.
-        return launch_caching<Op, T, VEC, kWarpNV, RowPath::kResident>(
-            x, layout, op, kSmallRowThreads, tpr, 1, device, dev.sm_count, stream);
+      default: return launch(std::integral_constant<int, kWarpNV>{});
     }
   }
   constexpr int kCtaRowNV = kCtaRowRegs<Op, T> / VEC;
   if (vecs <= int64_t{kMaxThreads} * kCtaRowNV) {  // a CTA per row, as many threads as it takes
     const int threads = static_cast<int>(round_up(ceil_div(vecs, kCtaRowNV), kWarpSize));
-    return launch_caching<Op, T, VEC, kCtaRowNV, RowPath::kResident>(
-        x, layout, op, threads, threads, 1, device, dev.sm_count, stream);
+    return launch_caching<Op, T, VEC, kCtaRowNV, RowPath::kResident>(x, layout, op, threads, 1,
+                                                                     device, dev.sm_count, stream);
   }
   // A CTA, or on sm_90+ a cluster of up to kMaxCluster CTAs, per row, kCtaNV vectors per
   // thread; streamed when no cluster holds it.
@@ -798,8 +796,8 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
     return launch_row_kernel<Op, T, VEC, kStreamRegs / VEC, RowPath::kStream>(
         x, layout, op, kMaxThreads, kMaxThreads, 1, device, dev.sm_count, stream);
   }
-  return launch_caching<Op, T, VEC, kCtaNV, RowPath::kCluster>(
-      x, layout, op, kMaxThreads, kMaxThreads, cluster, device, dev.sm_count, stream);
+  return launch_caching<Op, T, VEC, kCtaNV, RowPath::kCluster>(x, layout, op, kMaxThreads, cluster,
+                                                               device, dev.sm_count, stream);
 }
 
 }  // namespace mti
