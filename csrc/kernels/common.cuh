@@ -98,6 +98,8 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-__host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 }  // namespace mti
