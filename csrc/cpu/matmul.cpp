@@ -1,5 +1,6 @@
 // CPU square_matmul_: row chunks through ATen's GEMM into a bounded workspace, each chunk
-// copied back over its rows; without a workspace, one row at a time through a row buffer.
+// copied back over its rows; without a workspace (or with room for chunks of too few rows:
+// chunks_lose_accuracy), one row at a time through a row buffer.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -49,7 +50,12 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   const MatmulPlan plan = plan_square_matmul(x, weight, bias, transpose, workspace_bytes);
   if (plan.x.rows == 0) return;  // also K == 0
   ChunkPipeline in_order;
-  if (square_matmul_with_workspace(x, plan, workspace_bytes, in_order) == nullptr) return;
+  const ChunkSchedule sched = workspace_bytes > 0
+      ? in_order.schedule(plan.x.rows, plan.k * x.element_size(), workspace_bytes)
+      : ChunkSchedule{};
+  if (!chunks_lose_accuracy(sched, plan.x.rows) &&
+      square_matmul_with_workspace(x, plan, workspace_bytes, in_order) == nullptr)
+    return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "square_matmul_", [&] {
     matmul_rows_no_workspace<scalar_t>(
         x.data_ptr<scalar_t>(), plan.x, plan.weight.const_data_ptr<scalar_t>(),

@@ -2,8 +2,9 @@
 //
 // Default: cuBLAS through ATen, a chunk of rows at a time into a workspace of at most
 // workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over its rows on
-// a side stream while the GEMM of the next chunk runs. With no room for one row (or for chunks of kMinGemmRows), or when the
-// workspace cannot be allocated, the zero-workspace kernel of kernels/square_matmul.cu.
+// a side stream while the GEMM of the next chunk runs. With no room for one row, room for
+// chunks of too few rows (chunks_lose_accuracy) or no workspace to be had, the zero-workspace
+// kernel of kernels/square_matmul.cu.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAEvent.h>
@@ -36,11 +37,6 @@ constexpr int64_t kChunkTargetBytes = 32 << 20;
 // byte of a 2-byte W, so r >= 1024 stays well above the ridge point (about 300 flop/byte for
 // bf16 on H100) where W does not fit in L2 (K = 8192: 128 MiB).
 constexpr int64_t kMinChunkRows = 1024;
-// cuBLAS runs GEMMs of a few rows with kernels that, in fp32, measured 1.8-2.5x the error of
-// torch.matmul's GEMM of all the rows (H100, K = 1000, chunks of 1-2 rows; the zero-workspace
-// kernel: 0.8x). A workspace that allows chunks of fewer rows than this (and than x has) goes
-// to the zero-workspace kernel instead, where K fits it.
-constexpr int64_t kMinGemmRows = 8;
 
 // The CUDA caching allocator's granularity: requests round up to kAllocRound bytes, and those
 // of more than kAllocSmall come from blocks it may hand out up to kAllocSmall larger.
@@ -154,9 +150,11 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
     using T = typename DeviceType<scalar_t>::type;
     SideStreamCopies pipeline(at::cuda::getCurrentCUDAStream());
     const int64_t budget = allocatable_bytes(workspace_bytes);
-    const int64_t chunk_rows =
-        budget > 0 ? pipeline.schedule(plan.x.rows, plan.k * x.element_size(), budget).rows : 0;
-    if (chunk_rows > 0 && chunk_rows < std::min(plan.x.rows, kMinGemmRows)) {
+    const ChunkSchedule sched = budget > 0
+        ? pipeline.schedule(plan.x.rows, plan.k * x.element_size(), budget)
+        : ChunkSchedule{};
+    // The zero-workspace kernel measured 0.8x torch.matmul's fp32 error there (H100).
+    if (chunks_lose_accuracy(sched, plan.x.rows)) {
       int64_t max_k = 0;
       C10_CUDA_CHECK(square_matmul_zero_ws_max_k<T>(&max_k));
       if (plan.k <= max_k) {
