@@ -1,5 +1,6 @@
 """Every torch-free kernel file (csrc/kernels/*.cu) compiles with nvcc for every target
-architecture, with the flags setup.py gives nvcc, and ptxas reports no register spills.
+architecture, with the flags setup.py gives nvcc, and ptxas reports no register spills; the
+host side of the CUDA ops (csrc/cuda/*.cu) compiles against the installed torch's headers.
 Needs nvcc only (no GPU, no CUDA build of torch); skipped without it."""
 
 import functools
@@ -7,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -80,3 +82,29 @@ def test_no_register_spills(source):
         pytest.skip("does not compile (see test_compiles_for_every_arch)")
     spilled = spills(result.stderr + result.stdout)
     assert not spilled, f"{len(spilled)} kernel/arch pairs spill:\n" + "\n".join(spilled)
+
+
+# csrc/cuda/: the host side of the CUDA ops, which only a GPU machine builds otherwise. Compiled
+# for one architecture (their device code is instantiated in csrc/kernels/, tested above)
+# against the headers of the installed torch, which a CPU wheel ships too, with the macros and
+# flags torch.utils.cpp_extension adds. tests/cuda_stubs/ stands in for the headers of CUDA
+# libraries and of torch's CMake build that those headers include and a CPU machine may lack.
+HOST_SOURCES = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
+CUDA_STUBS = ROOT / "tests" / "cuda_stubs"
+
+
+@pytest.mark.parametrize("source", [pytest.param(s, id=s.name) for s in HOST_SOURCES])
+def test_cuda_host_code_compiles(source):
+    cpp_extension = pytest.importorskip("torch.utils.cpp_extension")
+    includes = [ROOT / "csrc", *cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [NVCC, *NVCC_FLAGS, *cpp_extension.COMMON_NVCC_FLAGS, "-DMTI_WITH_CUDA=1",
+               "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
+               "-gencode", "arch=compute_90,code=sm_90", *[f"-I{p}" for p in includes],
+               # After every real include directory: a toolkit's own headers win.
+               "-Xcompiler", f"-idirafter{CUDA_STUBS}",
+               "-c", str(source), "-o", str(Path(tmp) / (source.stem + ".o"))]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    errors = [line for line in result.stderr.splitlines() if "error" in line][:20]
+    assert result.returncode == 0, f"nvcc failed on {source.name}:\n" + "\n".join(
+        errors or [result.stderr[-8000:]])
