@@ -101,14 +101,19 @@ class ChunkPipeline {
   virtual void join() {}
 };
 
-// Whether a chunking leaves GEMMs of so few rows (fewer than 8, and than x has) that the BLAS
-// runs them with kernels less accurate than torch.matmul's GEMM of all the rows: in fp32,
-// cuBLAS measured 1.8-2.5x its error with chunks of 1-2 rows (H100, K = 1000), the CPU's BLAS
-// 2.7x with chunks of 3 and 1 rows (AMD EPYC, torch 2.13, K = 1000). The backends then use
-// their kernel without workspace, whose sums are at least as accurate.
-inline bool chunks_lose_accuracy(const ChunkSchedule& sched, int64_t rows) {
+// Whether `pipeline` would chunk x within workspace_bytes into GEMMs of so few rows (fewer
+// than 8, and than x has) that the BLAS runs them with kernels less accurate than
+// torch.matmul's GEMM of all the rows: in fp32, cuBLAS measured 1.8-2.5x its error with chunks
+// of 1-2 rows (H100, K = 1000), the CPU's BLAS 2.7x with chunks of 3 and 1 rows (AMD EPYC,
+// torch 2.13, K = 1000). The backends then use their kernel without workspace, whose sums are
+// at least as accurate.
+inline bool chunks_lose_accuracy(const at::Tensor& x, const MatmulPlan& plan,
+                                 int64_t workspace_bytes, const ChunkPipeline& pipeline) {
   constexpr int64_t kMinGemmRows = 8;
-  return sched.rows > 0 && sched.rows < std::min(rows, kMinGemmRows);
+  if (workspace_bytes <= 0) return false;
+  const int64_t rows =
+      pipeline.schedule(plan.x.rows, plan.k * x.element_size(), workspace_bytes).rows;
+  return rows > 0 && rows < std::min(plan.x.rows, kMinGemmRows);
 }
 
 // The default square_matmul_ path, the same on every device: chunks of rows through ATen's

@@ -50,10 +50,7 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   const MatmulPlan plan = plan_square_matmul(x, weight, bias, transpose, workspace_bytes);
   if (plan.x.rows == 0) return;  // also K == 0
   ChunkPipeline in_order;
-  const ChunkSchedule sched = workspace_bytes > 0
-      ? in_order.schedule(plan.x.rows, plan.k * x.element_size(), workspace_bytes)
-      : ChunkSchedule{};
-  if (!chunks_lose_accuracy(sched, plan.x.rows) &&
+  if (!chunks_lose_accuracy(x, plan, workspace_bytes, in_order) &&
       square_matmul_with_workspace(x, plan, workspace_bytes, in_order) == nullptr)
     return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "square_matmul_", [&] {

@@ -150,11 +150,8 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
     using T = typename DeviceType<scalar_t>::type;
     SideStreamCopies pipeline(at::cuda::getCurrentCUDAStream());
     const int64_t budget = allocatable_bytes(workspace_bytes);
-    const ChunkSchedule sched = budget > 0
-        ? pipeline.schedule(plan.x.rows, plan.k * x.element_size(), budget)
-        : ChunkSchedule{};
     // The zero-workspace kernel measured 0.8x torch.matmul's fp32 error there (H100).
-    if (chunks_lose_accuracy(sched, plan.x.rows)) {
+    if (chunks_lose_accuracy(x, plan, budget, pipeline)) {
       int64_t max_k = 0;
       C10_CUDA_CHECK(square_matmul_zero_ws_max_k<T>(&max_k));
       if (plan.k <= max_k) {
