@@ -131,6 +131,8 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   using MaskT = typename Rows::template MaskOf<T>;
   static constexpr bool kHasParams = false;
   static constexpr int kResidentElems = kSoftmaxElems;
+  static constexpr int kColumnValues = 0;
+  static constexpr bool kCacheColumns = false;
 
   struct Row {
     int64_t limit;  // columns from `limit` on are causally masked
@@ -145,8 +147,13 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   }
 
   template <int VEC>
+  __device__ __forceinline__ ParamValues<0, VEC> columns(int64_t) const {
+    return {};
+  }
+
+  template <int VEC>
   __device__ __forceinline__ void add(State& s, const float (&y)[VEC], const float (&g)[VEC],
-                                      int64_t) const {
+                                      const ParamValues<0, VEC>&) const {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const Acc gj = g[j], yj = y[j];
@@ -165,8 +172,9 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // grad_x of one vector into out (no parameter gradients: acc_w, acc_b untouched).
   template <bool kParams, int VEC>
   __device__ __forceinline__ void grad(float (&out)[VEC], float (&)[VEC], float (&)[VEC],
-                                       const float (&y)[VEC], const float (&g)[VEC], int64_t c0,
-                                       const Row& rc, const Fin& f) const {
+                                       const float (&y)[VEC], const float (&g)[VEC],
+                                       const ParamValues<0, VEC>&, int64_t c0, const Row& rc,
+                                       const Fin& f) const {
     Packed<MaskT, VEC> m;
     if constexpr (kMask != MaskKind::kNone) m = load_vec<VEC>(rc.mask, c0, mask_col_stride);
 #pragma unroll
@@ -196,6 +204,14 @@ struct NormBackwardOp {
   using State = Sum2<float>;  // sum(g_hat), sum(g_hat * x_hat) = sum(grad * t)
   static constexpr bool kHasParams = true;
   static constexpr int kResidentElems = kParamElems;
+  // Per column, as floats: the weight and the bias (1 and 0 where absent) and for 16-bit
+  // types the weight's approximate reciprocal (0 where the weight is 0; fp32 divides, see
+  // grad()); see columns(). Cached only for 16-bit types (see backward_kernel's kCache): fp32
+  // loads need no widening, and its register kernel with parameter gradients has no register
+  // to spare (with the cache it spilled 4 bytes on sm_90).
+  static constexpr int kColumnValues = sizeof(T) == 4 ? 2 : 3;
+  static constexpr bool kCacheColumns = sizeof(T) == 2;
+  enum { kW, kB, kRw };
 
   const T* weight;  // nullptr or n contiguous elements
   const T* bias;
@@ -214,30 +230,46 @@ struct NormBackwardOp {
 
   __device__ __forceinline__ Row row(int64_t r) const { return {rstd[r]}; }
 
-  // t = y - bias = x_hat * weight, g_hat = grad * weight, and the weight (1 without one).
-  // Everything but grad_x's x_hat term is written with t, so that no element needs a
-  // division: sum(g_hat * x_hat) is sum(grad * t), and grad_weight's column sums of
-  // grad * x_hat are sum(grad * t) / weight, one division per column (sum_partials_kernel).
+  // The column values of the vector at c0, from global memory. The resident paths compute
+  // them once per kernel into shared memory (a thread owns the same columns in every row)
+  // and read them from there: in every row's two passes the weight and bias loads, their
+  // widening and a reciprocal per element made a third of the instructions of the 16-bit
+  // kernels, which issue-bound them (H100, bf16 LayerNorm, N = 8192).
   template <int VEC>
-  __device__ __forceinline__ void terms(float (&t)[VEC], float (&gh)[VEC], float (&w)[VEC],
-                                        const float (&y)[VEC], const float (&g)[VEC],
-                                        int64_t c0) const {
-    float b[VEC];
-    if (weight) to_floats(w, load_vec<VEC>(weight, c0, 1));
-    if (bias) to_floats(b, load_vec<VEC>(bias, c0, 1));
+  __device__ __forceinline__ ParamValues<kColumnValues, VEC> columns(int64_t c0) const {
+    ParamValues<kColumnValues, VEC> p;
+    if (weight) to_floats(p.v[kW], load_vec<VEC>(weight, c0, 1));
+    if (bias) to_floats(p.v[kB], load_vec<VEC>(bias, c0, 1));
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      if (!weight) w[j] = 1.f;
-      t[j] = bias ? y[j] - b[j] : y[j];
-      gh[j] = g[j] * w[j];
+      if (!weight) p.v[kW][j] = 1.f;
+      if (!bias) p.v[kB][j] = 0.f;
+      if constexpr (kColumnValues > kRw)
+        p.v[kRw][j] = p.v[kW][j] == 0.f ? 0.f : rcp_ftz(p.v[kW][j]);
+    }
+    return p;
+  }
+
+  // t = y - bias = x_hat * weight and g_hat = grad * weight. Everything but grad_x's x_hat
+  // term is written with t, so that no element needs a division: sum(g_hat * x_hat) is
+  // sum(grad * t), and grad_weight's column sums of grad * x_hat are sum(grad * t) / weight,
+  // one division per column (sum_partials_kernel).
+  template <int VEC>
+  __device__ __forceinline__ void terms(float (&t)[VEC], float (&gh)[VEC], const float (&y)[VEC],
+                                        const float (&g)[VEC],
+                                        const ParamValues<kColumnValues, VEC>& p) const {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      t[j] = y[j] - p.v[kB][j];
+      gh[j] = g[j] * p.v[kW][j];
     }
   }
 
   template <int VEC>
   __device__ __forceinline__ void add(State& s, const float (&y)[VEC], const float (&g)[VEC],
-                                      int64_t c0) const {
-    float t[VEC], gh[VEC], w[VEC];
-    terms(t, gh, w, y, g, c0);
+                                      const ParamValues<kColumnValues, VEC>& p) const {
+    float t[VEC], gh[VEC];
+    terms(t, gh, y, g, p);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       s.a += gh[j];
@@ -252,27 +284,28 @@ struct NormBackwardOp {
   // grad_x of one vector into out and, with kParams, grad * t and grad added to acc_w and
   // acc_b (see terms()). x_hat = t / weight, 0 where weight is 0 (y tells nothing of x
   // there). 16-bit types move twice the elements per byte and are bound by instructions per
-  // element, so they take the cheap forms: the approximate reciprocal (rcp_ftz; their
-  // outputs round far more coarsely) and grad_x as two FMAs on the row's means times rstd
-  // (H100, bf16 LayerNorm with both parameter gradients: 0.63x -> 0.73x of clone-equivalent
-  // bandwidth at N = 1024). fp32 keeps the division and the textbook form: the fused one
-  // makes its register kernel spill.
+  // element, so they take the cheap forms: x_hat as t times the reciprocal, and grad_x as two
+  // FMAs on the row's means times rstd (H100, bf16 LayerNorm with both parameter gradients:
+  // 0.63x -> 0.73x of clone-equivalent bandwidth at N = 1024). fp32 keeps the division and
+  // the textbook form: the fused one makes its register kernel spill.
   template <bool kParams, int VEC>
   __device__ __forceinline__ void grad(float (&out)[VEC], float (&acc_w)[VEC],
                                        float (&acc_b)[VEC], const float (&y)[VEC],
-                                       const float (&g)[VEC], int64_t c0, const Row&,
-                                       const Fin& f) const {
-    float t[VEC], gh[VEC], w[VEC];
-    terms(t, gh, w, y, g, c0);
+                                       const float (&g)[VEC],
+                                       const ParamValues<kColumnValues, VEC>& p, int64_t,
+                                       const Row&, const Fin& f) const {
+    float t[VEC], gh[VEC];
+    terms(t, gh, y, g, p);
     const float rstd_mean_g = f.rstd * f.mean_g, rstd_mean_gx = f.rstd * f.mean_gx;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const float xh = !weight ? t[j]
-                       : w[j] == 0.f ? 0.f
-                       : sizeof(T) == 4 ? t[j] / w[j]
-                                        : t[j] * rcp_ftz(w[j]);
-      out[j] = sizeof(T) == 4 ? f.rstd * (gh[j] - f.mean_g - xh * f.mean_gx)
-                              : fmaf(-xh, rstd_mean_gx, fmaf(gh[j], f.rstd, -rstd_mean_g));
+      if constexpr (sizeof(T) == 4) {
+        const float w = p.v[kW][j], xh = w == 0.f ? 0.f : t[j] / w;
+        out[j] = f.rstd * (gh[j] - f.mean_g - xh * f.mean_gx);
+      } else {
+        out[j] = fmaf(-t[j] * p.v[kColumnValues - 1][j], rstd_mean_gx,
+                      fmaf(gh[j], f.rstd, -rstd_mean_g));
+      }
       if constexpr (kParams) {
         acc_w[j] += g[j] * t[j];
         acc_b[j] += g[j];
@@ -296,16 +329,58 @@ __host__ __device__ constexpr int staging_buffers(Path path, int vec) {
   return vec == 1 ? 0 : path == Path::kShared ? 2 : path == Path::kRegisters ? 1 : 0;
 }
 
-// Dynamic shared memory of a resident launch: its staging buffers, and with parameter
-// gradients at least the CTA's per-thread column sums (the rows of a CTA add theirs there at
-// the end, see backward_kernel; only the scalar path, which stages nothing, needs more).
-constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads, bool params) {
+// A thread's column values (K arrays of VEC floats per vector it owns, see NormBackwardOp::
+// columns), cached in shared memory after the staging buffers: array i of its vector k in
+// chunks of up to 4 floats, chunk h at slots[((i * NV + k) * VEC / kChunk + h) * stride], so
+// that a warp's 16-byte reads are contiguous. Each thread reads only the slots it wrote: no
+// barrier.
+template <int K, int NV, int VEC>
+struct ColumnCache {
+  static constexpr int kChunk = VEC < 4 ? VEC : 4;
+  using Chunk = Packed<float, kChunk>;
+  Chunk* slots;  // this thread's first slot
+  int stride;
+
+  __device__ __forceinline__ void store(int k, const ParamValues<K, VEC>& p) const {
+#pragma unroll
+    for (int i = 0; i < K; ++i)
+#pragma unroll
+      for (int h = 0; h < VEC / kChunk; ++h) {
+        Chunk c;
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) c.v[j] = p.v[i][h * kChunk + j];
+        slots[((i * NV + k) * VEC / kChunk + h) * stride] = c;
+      }
+  }
+  __device__ __forceinline__ ParamValues<K, VEC> load(int k) const {
+    ParamValues<K, VEC> p;
+#pragma unroll
+    for (int i = 0; i < K; ++i)
+#pragma unroll
+      for (int h = 0; h < VEC / kChunk; ++h) {
+        const Chunk c = slots[((i * NV + k) * VEC / kChunk + h) * stride];
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) p.v[i][h * kChunk + j] = c.v[j];
+      }
+    return p;
+  }
+};
+
+// Dynamic shared memory of a resident launch: its staging buffers and its column cache
+// (`column_values` arrays, 0 without one), and with parameter gradients at least the CTA's
+// per-thread column sums (the rows of a CTA add theirs there at the end, see backward_kernel;
+// only the scalar path, which stages nothing, needs more).
+constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads, bool params,
+                                         int column_values) {
   const int64_t staged = staging_buffers(path, vec) * 2 * int64_t{nv} * threads * 16;
+  const int64_t cached = int64_t{column_values} * nv * vec * threads * int64_t{sizeof(float)};
   const int64_t sums = params ? int64_t{nv} * vec * threads * int64_t{sizeof(float)} : 0;
-  return staged > sums ? staged : sums;
+  return staged + cached > sums ? staged + cached : sums;
 }
 
-template <class Op, typename T, int VEC, int NV, Path kPath, bool kParams>
+// kCache (resident paths of ops with column values, see ColumnCache): the values of the
+// thread's columns are computed once, into shared memory, and read from there in each row.
+template <class Op, typename T, int VEC, int NV, Path kPath, bool kParams, bool kCache>
 __global__ void __launch_bounds__(kMaxThreads, 2)
     backward_kernel(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
                     const BackwardRows L, const Op op, const int tpr, const int cluster,
@@ -402,6 +477,29 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
                    end);
   };
   if constexpr (kShared || kPrefetch) stage_row(first_group, 0);
+  // The column cache, after the staging buffers; filled while the first row's copies are on
+  // their way.
+  using Values = ParamValues<Op::kColumnValues, VEC>;
+  using Cache = ColumnCache<Op::kColumnValues, NV, VEC>;
+  static_assert(!kCache || (!kStream && Op::kCacheColumns), "no column cache here");
+  Vec* const staging_end =
+      reinterpret_cast<Vec*>(dynamic_smem) + staging_buffers(kPath, VEC) * 2 * NV * slot_stride;
+  const Cache cache{reinterpret_cast<typename Cache::Chunk*>(staging_end) + threadIdx.x,
+                    slot_stride};
+  if constexpr (kCache) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const Col c0 = column(0, k);
+      if (c0 < n) cache.store(k, op.template columns<VEC>(c0));
+    }
+  }
+  // The values of vector k (at column c0) of the current step.
+  auto values = [&](int k, Col c0) -> Values {
+    if constexpr (kCache)
+      return cache.load(k);
+    else
+      return op.template columns<VEC>(c0);
+  };
   if constexpr (kShared) {
     if (cluster > 1) {
       cluster_exchange_init(exchange);
@@ -467,7 +565,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         if (c0 < end) {
           float yf[VEC], gf[VEC];
           widen(yf, gf, k, c0);
-          op.add(mine, yf, gf, c0);
+          op.add(mine, yf, gf, values(k, c0));
         }
       }
     }
@@ -497,14 +595,15 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         float out[VEC];
         if constexpr (kParams && kStream) {
           float w[VEC] = {}, b[VEC] = {};
-          op.template grad<true>(out, w, b, yf, gf, c0, rc, fin);
+          op.template grad<true>(out, w, b, yf, gf, values(k, c0), c0, rc, fin);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
             if (sum_w) sum_w[c0 + j] += w[j];
             if (sum_b) sum_b[c0 + j] += b[j];
           }
         } else {
-          op.template grad<kParams>(out, acc_w[k], acc_b[k], yf, gf, c0, rc, fin);
+          op.template grad<kParams>(out, acc_w[k], acc_b[k], yf, gf, values(k, c0), c0, rc,
+                                    fin);
         }
         if (xr) store_vec<VEC>(xr, c0, xcs, out);
       }
@@ -648,10 +747,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (c0 < n) {
     const int64_t stride = int64_t{gridDim.y} * kSlices;
     for (int64_t r = int64_t{blockIdx.y} * kSlices + slice; r < L.y.rows; r += stride) {
-      float yf[VEC], gf[VEC], t[VEC], gh[VEC], w[VEC];
+      float yf[VEC], gf[VEC], t[VEC], gh[VEC];
       to_floats(yf, load_vec<VEC>(y + L.y.row.offset(r), c0, ycs));
       to_floats(gf, load_vec<VEC>(dy + L.grad.row.offset(r), c0, gcs));
-      op.terms(t, gh, w, yf, gf, c0);
+      op.terms(t, gh, yf, gf, op.template columns<VEC>(c0));
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         acc_w[j] += gf[j] * t[j];
@@ -723,10 +822,10 @@ Shape pick_shape(int64_t vecs, int reg_nv, int shared_nv, int max_cluster) {
 
 const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, Path::kStream};
 
-// occupancy_units() of the resident backward_kernel (VEC, kPath, kParams): 0 if none fits
-// (the staged rows exceed the shared memory a CTA may have). Queried once per device, CTA
-// size and cluster size.
-template <class Op, typename T, int VEC, Path kPath, bool kParams>
+// occupancy_units() of the resident backward_kernel (VEC, kPath, kParams, kCache): 0 if none
+// fits (the staged rows and cached columns exceed the shared memory a CTA may have). Queried
+// once per device, CTA size and cluster size.
+template <class Op, typename T, int VEC, Path kPath, bool kParams, bool kCache>
 int64_t resident_backward_units(int device, int threads, int cluster, int sm_count) {
   static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1][kMaxCluster + 1];  // answer + 1
   std::atomic<int>* slot =
@@ -734,8 +833,9 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
   if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
     return slot->load(std::memory_order_relaxed) - 1;
   constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
-  const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams>;
-  const int64_t smem = resident_backward_smem(kPath, VEC, NV, threads, kParams);
+  const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache>;
+  const int64_t smem = resident_backward_smem(kPath, VEC, NV, threads, kParams,
+                                              kCache ? Op::kColumnValues : 0);
   const int units =
       occupancy_units(kernel, threads, cluster, static_cast<size_t>(smem), sm_count);
   if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
@@ -745,6 +845,7 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
 // How a backward pass is launched: the vector width, the thread shape and the grid.
 struct Launch {
   bool vec = false;
+  bool cache = false;  // resident vector rows with the column cache (see ColumnCache)
   Shape shape;
   int64_t grid = 0;          // CTAs
   int64_t partial_rows = 0;  // P: scratch rows per wanted parameter gradient
@@ -772,23 +873,36 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   // Row groups (CTAs or clusters) the grid may hold.
   int64_t max_units = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
   if (l.shape.path != Path::kStream) {
-    const auto resident = [&](auto params_const) {
+    const auto resident = [&](auto params_const, auto cache_const) -> int64_t {
       constexpr bool kParams = decltype(params_const)::value;
+      constexpr bool kCache = decltype(cache_const)::value;
       const int threads = l.shape.threads, cluster = l.shape.cluster;
-      if (!l.vec)
-        return resident_backward_units<Op, T, 1, Path::kRegisters, kParams>(device, threads,
-                                                                             cluster, sm_count);
+      if (!l.vec) {
+        if constexpr (kCache) return 0;  // the scalar path reads its columns from global memory
+        return resident_backward_units<Op, T, 1, Path::kRegisters, kParams, false>(
+            device, threads, cluster, sm_count);
+      }
       return l.shape.path == Path::kShared
-                 ? resident_backward_units<Op, T, kVec<T>, Path::kShared, kParams>(
+                 ? resident_backward_units<Op, T, kVec<T>, Path::kShared, kParams, kCache>(
                        device, threads, cluster, sm_count)
-                 : resident_backward_units<Op, T, kVec<T>, Path::kRegisters, kParams>(
+                 : resident_backward_units<Op, T, kVec<T>, Path::kRegisters, kParams, kCache>(
                        device, threads, cluster, sm_count);
+    };
+    // The cache where it costs no occupancy (its shared memory may leave fewer CTAs per SM).
+    const auto fitting = [&](auto params_const) {
+      const int64_t plain = resident(params_const, std::false_type{});
+      if constexpr (Op::kCacheColumns) {
+        const int64_t cached = resident(params_const, std::true_type{});
+        l.cache = cached > 0 && cached >= plain;
+        if (l.cache) return cached;
+      }
+      return plain;
     };
     int64_t fits = 0;
     if constexpr (Op::kHasParams)
-      fits = params ? resident(std::true_type{}) : resident(std::false_type{});
+      fits = params ? fitting(std::true_type{}) : fitting(std::false_type{});
     else
-      fits = resident(std::false_type{});
+      fits = fitting(std::false_type{});
     if (fits > 0)
       max_units = fits;
     else if (l.vec)
@@ -839,7 +953,7 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
   if (l.shape.path == Path::kStream) {
     const auto kernel =
         backward_kernel<Op, T, VEC, path_nv<Op>(Path::kStream, VEC, kParams), Path::kStream,
-                        kParams>;
+                        kParams, false>;
     Partials p = part;
     p.smem_sums = l.smem_sums_bytes > 0;
     if (p.smem_sums) {
@@ -854,14 +968,15 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
   }
   // resident_backward_units, called by plan_launch, has lifted the shared memory limit and
   // allowed the cluster size.
-  const auto resident = [&](auto path_const) {
+  const auto resident = [&](auto path_const, auto cache_const) {
     constexpr Path kPath = decltype(path_const)::value;
+    constexpr bool kCache = decltype(cache_const)::value;
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(grid);
     config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
-    config.dynamicSmemBytes =
-        static_cast<size_t>(resident_backward_smem(kPath, VEC, NV, l.shape.threads, kParams));
+    config.dynamicSmemBytes = static_cast<size_t>(resident_backward_smem(
+        kPath, VEC, NV, l.shape.threads, kParams, kCache ? Op::kColumnValues : 0));
     config.stream = stream;
     cudaLaunchAttribute dims;
     dims.id = cudaLaunchAttributeClusterDimension;
@@ -871,15 +986,21 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     config.attrs = &dims;
     config.numAttrs = l.shape.cluster > 1 ? 1 : 0;
     const cudaError_t err =
-        cudaLaunchKernelEx(&config, backward_kernel<Op, T, VEC, NV, kPath, kParams>, y, dy, dx,
-                           L, op, l.shape.tpr, l.shape.cluster, part);
+        cudaLaunchKernelEx(&config, backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache>, y,
+                           dy, dx, L, op, l.shape.tpr, l.shape.cluster, part);
     return err != cudaSuccess ? err : cudaGetLastError();
   };
-  if constexpr (VEC > 1) {
-    if (l.shape.path == Path::kShared)
-      return resident(std::integral_constant<Path, Path::kShared>{});
+  using Registers = std::integral_constant<Path, Path::kRegisters>;
+  using Shared = std::integral_constant<Path, Path::kShared>;
+  if constexpr (VEC > 1 && Op::kCacheColumns) {
+    if (l.cache)
+      return l.shape.path == Path::kShared ? resident(Shared{}, std::true_type{})
+                                           : resident(Registers{}, std::true_type{});
   }
-  return resident(std::integral_constant<Path, Path::kRegisters>{});
+  if constexpr (VEC > 1) {
+    if (l.shape.path == Path::kShared) return resident(Shared{}, std::false_type{});
+  }
+  return resident(Registers{}, std::false_type{});
 }
 
 // Launches the path `l` names; with parameter gradients when `part` holds any.
