@@ -57,7 +57,8 @@ enum class Path { kRegisters, kShared, kStream };
 // Path::kShared's rows, not registers: kStagedVectors of y and dy per thread and buffer, 64
 // KiB per CTA of kMaxThreads with both buffers, so that two CTAs fit on an SM (H100: 228 KiB;
 // their shares of a row are then 4096 fp32 / 8192 16-bit elements); registers hold a vector
-// at a time there, but for the parameter gradient sums (kParamElems again). Scalar rows
+// at a time there, but for the parameter gradient sums (kParamElems again; norms take as
+// many without them too, which leaves room for their column cache). Scalar rows
 // (VEC 1) sit in registers, kScalarNV elements. Streaming: kStreamElems per step, fewer than
 // registers would take, to avoid spills.
 constexpr int kSoftmaxElems = 32;
@@ -73,7 +74,9 @@ constexpr int path_nv(Path path, int vec, bool params) {
     case Path::kRegisters:
       return (params ? kParamElems : Op::kResidentElems) / vec;
     case Path::kShared:
-      return params && kParamElems / vec < kStagedVectors ? kParamElems / vec : kStagedVectors;
+      return (params || Op::kCacheColumns) && kParamElems / vec < kStagedVectors
+                 ? kParamElems / vec
+                 : kStagedVectors;
     case Path::kStream:
       break;
   }
