@@ -226,6 +226,12 @@ def widths(max_small=64):
 
 
 seeds = st.integers(0, 2**31 - 1)
+# The seed of the output gradients that backward tests draw: outside `seeds`, so that it is
+# never an input's seed too. With the same seed, dy is x up to an affine map, and a norm's
+# exact gradient for such a dy is 0 (found by hypothesis on the H100: LayerNorm, n = 8,
+# seed 99, fp16), a cancellation that a backward from the saved 16-bit output cannot match
+# to PyTorch's error (see README, Autograd).
+GRAD_SEED = 2**31 + 99
 
 
 def examples(n):
