@@ -398,6 +398,17 @@ __host__ __device__ constexpr bool staged_path(RowPath path, int vec) {
   return Op::kStage && path != RowPath::kStream && vec > 1;
 }
 
+// CTAs of kMaxThreads threads that row_kernel is compiled to fit on an SM at once; the
+// register cap follows (128 per thread for 2, 80 for 3). More CTAs keep more rows in flight:
+// with 3, H100 bf16 LayerNorm at N = 256-1024 ran 4-5% faster. Only 16-bit rows of at most
+// kWarpRegs values per thread that are not staged take 3: longer rows need the registers,
+// staged ones (16-bit softmax) spilled at 80 and ran 1-3% slower, and fp32 rows (accurate exp,
+// LayerNorm's TwoSum) spilled on some architectures.
+template <class Op, typename T>
+__host__ __device__ constexpr int min_ctas_per_sm(int values, RowPath path, int vec) {
+  return sizeof(T) == 2 && values <= kWarpRegs && !staged_path<Op>(path, vec) ? 3 : 2;
+}
+
 // How many params a launch would cache: up to the last one given (not nullptr).
 template <typename T, int K>
 int params_to_cache(const ColumnParams<T, K>& params) {
@@ -430,7 +441,7 @@ int params_to_cache(const ColumnParams<T, K>& params) {
 // vectors) and read from there in every row's write loop, the others from global memory (see
 // ParamReader).
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
-__global__ void __launch_bounds__(kMaxThreads, 2)
+__global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<Op, T>(VEC * NV, kPath, VEC))
     row_kernel(T* __restrict__ x, const RowLayout layout, const Op op, const int tpr,
                const int cluster) {
   using State = typename Op::State;
