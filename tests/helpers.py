@@ -234,6 +234,11 @@ seeds = st.integers(0, 2**31 - 1)
 GRAD_SEED = 2**31 + 99
 
 
+def output_grad(x):
+    """The output gradient that backward tests feed an op whose output is shaped like x."""
+    return randn(x.shape, x.dtype, x.device, GRAD_SEED)
+
+
 def examples(n):
     """Hypothesis example count: n (CI has 2 cores), times MTI_EXAMPLES_SCALE for a deeper
     local search."""

@@ -11,10 +11,10 @@ import make_torch_inplace as mti
 from helpers import (
     DEVICES,
     DTYPE_PARAMS,
-    GRAD_SEED,
     Untouched,
     assert_accurate,
     check_op,
+    output_grad,
     randn,
     ref_layer_norm,
     ref_linear,
@@ -117,7 +117,7 @@ def check_grads(op, ref, inputs, **kwargs):
     w.r.t. every tensor argument that requires grad, against PyTorch's gradients of ref(...)
     in the inputs' dtype, both held to ref's fp64 gradients."""
     x = inputs[0]
-    grad_out = randn(x.shape, x.dtype, x.device, seed=GRAD_SEED)
+    grad_out = output_grad(x)
 
     def grads(fn, cast):
         def leaf_copy(a):

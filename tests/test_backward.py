@@ -14,7 +14,6 @@ import make_torch_inplace as mti
 from helpers import (
     DEVICES,
     DTYPE_PARAMS,
-    GRAD_SEED,
     ODD_WIDTHS,
     ROW_STRIDED_LAYOUTS,
     SENTINEL,
@@ -23,6 +22,7 @@ from helpers import (
     bitwise_equal,
     examples,
     lead_shapes,
+    output_grad,
     randn,
     ref_layer_norm,
     ref_log_softmax,
@@ -57,7 +57,7 @@ def check_grads(op, ref, x, params=(), grad_out=None, **kwargs):
     both held to ref's fp64 gradients; params: further tensor arguments that get gradients
     (None entries pass through)."""
     if grad_out is None:
-        grad_out = randn(x.shape, x.dtype, x.device, seed=GRAD_SEED)
+        grad_out = output_grad(x)
 
     def cast64(t):
         return t.double() if isinstance(t, torch.Tensor) else t
@@ -117,7 +117,7 @@ def test_softmax_grads(device, dtype, lead, n, seed, log, scale, mask, causal):
     x = randn(shape, dtype, device, seed)
     m = make_mask(mask, (3, n), device, dtype, seed + 1, fully_masked_row=True)
     op, ref = (mti.log_softmax_, ref_log_softmax) if log else (mti.softmax_, ref_softmax)
-    grad_out = randn(shape, dtype, device, seed=GRAD_SEED)
+    grad_out = output_grad(x)
     if log and mask == "additive":
         # Through x + (-inf), PyTorch passes a masked element's output gradient on to x; the
         # op gives it 0 (the output is constant there). Real losses never weigh a -inf
