@@ -10,8 +10,11 @@ from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# sm_75..sm_90 machine code plus PTX for the newest, unless the builder names its own list.
-DEFAULT_ARCH_LIST = "7.5;8.0;8.6;8.9;9.0+PTX"
+# sm_75..sm_90 machine code plus PTX for the newest, unless the builder names its own list. The
+# sm_90 code is built for sm_90a (the H100/H200 family), whose warpgroup MMA the zero-workspace
+# matmul uses; PTX stays plain compute_90, which later GPUs can compile.
+DEFAULT_ARCH_LIST = "7.5;8.0;8.6;8.9;9.0a"
+DEFAULT_PTX = "-gencode=arch=compute_90,code=compute_90"
 
 
 def sources(*patterns):
@@ -33,8 +36,10 @@ def make_extension():
             include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args={"cxx": cxx_flags},
         )
+    default_archs = "TORCH_CUDA_ARCH_LIST" not in os.environ
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-    nvcc_flags = [
+    nvcc_flags = [DEFAULT_PTX] if default_archs else []
+    nvcc_flags += [
         "-O3",
         "--expt-relaxed-constexpr",
         # No --use_fast_math: it turns expf into __expf, whose relative error grows with |x|

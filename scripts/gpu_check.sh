@@ -40,6 +40,8 @@ logged() {
 HAS_GPU="$(python -c 'import torch; print(int(torch.cuda.is_available()))')"
 if [[ "$HAS_GPU" == 1 ]]; then
   GPU_ARCH="$(python -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
+  # sm_90 builds as sm_90a, which has the warpgroup MMA kernels (see setup.py).
+  [[ "$GPU_ARCH" == 9.0 ]] && GPU_ARCH=9.0a
   export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$GPU_ARCH}"
   python -c 'import torch; print(f"GPU: {torch.cuda.get_device_name()}, " +
     f"torch {torch.__version__}, CUDA {torch.version.cuda}")'

@@ -19,10 +19,11 @@ KERNELS = sorted((ROOT / "csrc" / "kernels").glob("*.cu"))
 NVCC = shutil.which("nvcc") or (
     os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if "CUDA_HOME" in os.environ else None)
 
-# setup.py's nvcc flags and its default TORCH_CUDA_ARCH_LIST "7.5;8.0;8.6;8.9;9.0+PTX": machine
-# code for each architecture plus PTX for the newest. Keep the two in step.
+# setup.py's nvcc flags and its default TORCH_CUDA_ARCH_LIST "7.5;8.0;8.6;8.9;9.0a" with PTX for
+# compute_90: machine code for each architecture (sm_90a: with the warpgroup MMA kernels) plus
+# PTX that later GPUs compile. Keep the two in step.
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
-GENCODES = [f"arch=compute_{a},code=sm_{a}" for a in ("75", "80", "86", "89", "90")] + [
+GENCODES = [f"arch=compute_{a},code=sm_{a}" for a in ("75", "80", "86", "89", "90a")] + [
     "arch=compute_90,code=compute_90"]
 
 pytestmark = pytest.mark.skipif(

@@ -106,14 +106,13 @@ def test_k_4097(device, dtype, mode):
                      mode=mode)
 
 
-# Shapes for sm_90's streaming zero-workspace kernel (row blocks of 64 or 128 rows shared by
-# a cluster, 256-column tiles): M of no tile size, K a multiple of 8 but not of 256, so the
-# last tile is part outside W. The plans they get on an H100 (132 SMs), as column tiles per
-# block of a cluster: 128 rows, 2 + 2; 128 rows, 3 + 3 + 3 + 2 (shared memory exactly full);
-# 64 rows, 3 + 2; 64 rows, 5 + 5 + 3.
+# Shapes for sm_90's streaming zero-workspace kernels (row blocks of 64 or 128 rows shared by
+# a cluster, 256-column tiles; the warpgroup MMA kernel in sm_90a builds, else mma.sync): M of
+# no tile size, K a multiple of 8 but not of 64 or 256, so the last k step and column tile are
+# part outside W; clusters of 2 to 16 blocks (K = 8192: 16 blocks of 2 tiles each on an H100).
 @requires_cuda
-@pytest.mark.parametrize("m,k", [(8209, 1000), (8209, 2568), (4100, 1032), (5000, 3080)],
-                         ids=str)
+@pytest.mark.parametrize("m,k", [(8209, 1000), (8209, 2568), (4100, 1032), (5000, 3080),
+                                 (700, 8192)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_zero_workspace_cluster_shapes(dtype, m, k):
     for transpose in (False, True):

@@ -20,7 +20,8 @@
 // On sm_90, fp16/bf16 with 16-byte aligned rows take the streaming kernel instead (below):
 // a thread-block cluster shares a row block, each block parking its slice of the outputs in
 // shared memory until a cluster barrier says all of the rows' inputs have been read, so a
-// block need not hold whole input rows and does many more rows per W tile.
+// block need not hold whole input rows and does many more rows per W tile. Builds for sm_90a
+// run it on the warpgroup MMA (wgmma) instead of mma.sync.
 #include "kernels/square_matmul.h"
 
 #include <cooperative_groups.h>
@@ -28,6 +29,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <cstddef>
@@ -36,6 +38,7 @@
 #include <utility>
 
 #include "kernels/common.cuh"
+#include "kernels/wgmma.cuh"
 
 namespace mti {
 namespace {
@@ -414,6 +417,9 @@ struct StreamTile {
   // The accumulators and two k16 steps of fragments take 160-240 registers per thread, so
   // the register file holds one block.
   static constexpr int kBlocksPerSm = 1;
+  static constexpr int kStages = mti::kStages;
+  static constexpr int kMaxCluster = 8;  // the largest cluster every sm_90 part schedules
+  static constexpr int kSmemSlack = 0;   // bytes of dynamic shared memory spent on alignment
   static_assert(X_TILE / 8 % THREADS == 0, "whole 16-byte chunks of x per thread");
   static_assert(kStages * STAGE >= BM * LAST_LD, "the last tile parks in the stages");
   static_assert(kBK % 32 == 0, "fragment buffers alternate by k16 step parity");
@@ -434,6 +440,28 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
+}
+
+// The streaming kernels' last step, once the cluster barrier has ordered every read of the
+// rows before it: the block's column tiles [ct_begin, ct_end) of its nrows rows, parked at
+// outs (pitch out_ld; all but the last) and in the stages (the last, pitch Tile::LAST_LD),
+// go over x, 16 bytes at a time.
+template <typename T, class Tile>
+__device__ __forceinline__ void write_parked(const Args<T>& a, const int64_t* row_off,
+                                             int nrows, const T* outs, int out_ld,
+                                             const T* stages, int ct_begin, int ct_end,
+                                             int parked) {
+  constexpr int BN = Tile::BN;
+  const int col0 = ct_begin * BN;
+  const int last0 = parked * BN;  // the last tile's first column, from col0
+  const int chunks = (min(ct_end * BN, a.k) - col0) / 8;  // per row; K is a multiple of 8
+  for (int c = threadIdx.x; c < nrows * chunks; c += Tile::THREADS) {
+    const int r = c / chunks, col = (c - r * chunks) * 8;
+    const T* src = col < last0 ? outs + r * out_ld + col
+                               : stages + r * Tile::LAST_LD + (col - last0);
+    *reinterpret_cast<uint4*>(a.x + row_off[r] + col0 + col) =
+        *reinterpret_cast<const uint4*>(src);
+  }
 }
 
 // Needs a.x_vec and a.w_vec (16-byte chunks throughout), so K is a multiple of 8.
@@ -621,16 +649,7 @@ __device__ __forceinline__ void stream_body(const Args<T>& a) {
   else
     __syncthreads();
 
-  const int col0 = ct_begin * BN;
-  const int last0 = parked * BN;  // the last tile's first column, from col0
-  const int chunks = (min(ct_end * BN, a.k) - col0) / 8;  // per row; K is a multiple of 8
-  for (int c = threadIdx.x; c < nrows * chunks; c += THREADS) {
-    const int r = c / chunks, col = (c - r * chunks) * 8;
-    const T* src = col < last0 ? outs + r * out_ld + col
-                               : stages + r * Tile::LAST_LD + (col - last0);
-    *reinterpret_cast<uint4*>(a.x + row_off[r] + col0 + col) =
-        *reinterpret_cast<const uint4*>(src);
-  }
+  write_parked<T, Tile>(a, row_off, nrows, outs, out_ld, stages, ct_begin, ct_end, parked);
 }
 
 template <typename T, bool TRANS, class Tile>
@@ -646,6 +665,201 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
     stream_body<T, TRANS, Tile>(a);
   else
     __trap();
+}
+
+// ---------------------------------------------------------------------------------------
+// Warpgroup streaming kernel (fp16/bf16, sm_90a builds on sm_90): the streaming kernel's
+// scheme (a cluster shares a row block of BM rows; each block computes its column tiles, parks
+// them on chip and writes them over x after a cluster barrier) on Hopper's warpgroup MMA
+// (kernels/wgmma.cuh). Two warpgroups each accumulate a 64 x 256 fp32 tile from operands in
+// shared memory; a k step of 64 (one 128-byte swizzled row of x and W per row) is four
+// m64n256k16 MMAs per warpgroup. cp.async fills kStages such steps ahead (x and W both from
+// L2), and each step's copies are issued while its MMAs run. Column tiles of BN = 256, so
+// K = 4096 takes a cluster of 8 blocks of two tiles (or 16 of one); K = 8192 one of 16 blocks
+// of two (the H100 schedules 16, not every sm_90 part: there no plan fits and the mma.sync
+// kernels run). H100, bf16, M = 16384, against cuBLAS's out-of-place GEMM: 0.48-0.60x of
+// its speed at K = 1024-8192, where the mma.sync kernel reached 0.29-0.43x; a step takes
+// ~1.3 us against ~0.55 us of MMA work, with 48 KB of x and W per step and block coming
+// from L2 (no multicast across the cluster, whose blocks all read the same x tiles).
+template <int STAGES>
+struct WgmmaTile {
+  static constexpr int BM = 128;
+  static constexpr int BN = 256;
+  static constexpr int BK = 64;  // 128 bytes of a 16-bit row: one swizzle row
+  static constexpr int THREADS = 256;
+  static constexpr int kStages = STAGES;
+  static constexpr int A_BYTES = BM * BK * 2;
+  static constexpr int STAGE = BM * BK + BK * BN;  // elements
+  static constexpr int kOutPad = 8;                // as StreamTile's
+  static constexpr int LAST_LD = BN + kOutPad;
+  static constexpr int kBlocksPerSm = 1;
+  static constexpr int kMaxCluster = 16;
+  static constexpr int kSmemSlack = 1024;  // the stages start 1024-byte aligned (swizzle)
+  static_assert(kStages * STAGE >= BM * LAST_LD, "the last tile parks in the stages");
+  static_assert(A_BYTES % 1024 == 0, "W's tiles start 1024-byte aligned too");
+};
+
+template <typename T, bool TRANS, class Tile>
+__device__ __forceinline__ void wgmma_body(const Args<T>& a) {
+  constexpr int BM = Tile::BM, BN = Tile::BN, BK = Tile::BK, THREADS = Tile::THREADS;
+  constexpr int S = Tile::kStages;
+  constexpr uint32_t STAGE_BYTES = Tile::STAGE * sizeof(T);
+  static_assert(sizeof(T) == 2, "16-bit operands");
+
+  // [stages][parked tiles but the last][row offsets], the stages 1024-byte aligned.
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* const base = smem + (1024 - smem_u32(smem) % 1024) % 1024;
+  T* const stages = reinterpret_cast<T*>(base);
+  T* const outs = stages + S * Tile::STAGE;
+  const int out_ld = (a.col_tiles_per_block - 1) * BN + Tile::kOutPad;
+  int64_t* const row_off = reinterpret_cast<int64_t*>(outs + BM * out_ld);
+
+  const int rank = blockIdx.x % a.cluster;
+  const int64_t row0 = (a.first_block + blockIdx.x / a.cluster) * BM;
+  const int nrows = static_cast<int>(min(static_cast<int64_t>(BM), a.rows - row0));
+  const int col_tiles = (a.k + BN - 1) / BN;
+  const int ct_begin = rank * a.col_tiles_per_block;  // < col_tiles: no block is left empty
+  const int ct_end = min(col_tiles, ct_begin + a.col_tiles_per_block);
+  const int k_tiles = (a.k + BK - 1) / BK;
+  const int tiles = (ct_end - ct_begin) * k_tiles;
+
+  for (int i = threadIdx.x; i < BM; i += THREADS)
+    row_off[i] = i < nrows ? a.row.offset(row0 + i) : 0;
+  __syncthreads();
+
+  // Copies of step t (x columns [k0, k0 + BK), output columns [j0, j0 + BN)) into stage t % S.
+  // x: rows r = tid / 8 + 32 i, chunk tid % 8. W, transposed ([j][k], K-major like x): rows
+  // j0 + tid / 8 + 32 i, chunk tid % 8. W as is ([k][j], MN-major): four 64-column blocks of
+  // BK rows, row k0 + tid / 32 + 8 i, chunk tid % 32 (block chunk / 8). Zeros past K and
+  // past the last row.
+  constexpr int X_COPIES = BM * BK / 8 / THREADS, W_COPIES = BK * BN / 8 / THREADS;
+  const int tid = static_cast<int>(threadIdx.x);
+  const T* xsrc[X_COPIES];
+#pragma unroll
+  for (int i = 0; i < X_COPIES; ++i) {
+    const int r = tid / 8 + 32 * i;
+    xsrc[i] = r < nrows ? a.x + row_off[r] + tid % 8 * 8 : nullptr;
+  }
+  auto load_step = [&](int t) {
+    const int j0 = (ct_begin + t / k_tiles) * BN, k0 = t % k_tiles * BK;
+    unsigned char* const st = base + t % S * STAGE_BYTES;
+#pragma unroll
+    for (int i = 0; i < X_COPIES; ++i) {
+      const bool in = xsrc[i] != nullptr && k0 + tid % 8 * 8 < a.k;
+      copy16(st + swizzle128(tid / 8 + 32 * i, tid % 8 * 16), in ? xsrc[i] + k0 : a.w, in);
+    }
+    unsigned char* const wt = st + Tile::A_BYTES;
+#pragma unroll
+    for (int i = 0; i < W_COPIES; ++i) {
+      if constexpr (TRANS) {
+        const int n = tid / 8 + 32 * i, j = j0 + n, k = k0 + tid % 8 * 8;
+        const bool in = j < a.k && k < a.k;
+        copy16(wt + swizzle128(n, tid % 8 * 16), in ? a.w + int64_t{j} * a.k + k : a.w, in);
+      } else {
+        const int kr = tid / 32 + 8 * i, k = k0 + kr, j = j0 + tid % 32 * 8;
+        const bool in = k < a.k && j < a.k;
+        copy16(wt + tid % 32 / 8 * (BK * 128) + swizzle128(kr, tid % 8 * 16),
+               in ? a.w + int64_t{k} * a.k + j : a.w, in);
+      }
+    }
+  };
+#pragma unroll
+  for (int t = 0; t < S - 1; ++t) {
+    if (t < tiles) load_step(t);
+    cp_async_commit();
+  }
+
+  // Warpgroup wg owns rows [64 wg, 64 wg + 64); see wgmma_m64n256k16 for its thread's values.
+  const int wg = tid / 128, lane = tid % 32;
+  const int m = wg * 64 + tid % 128 / 32 * 16 + lane / 4;
+  float acc[128];
+  // Parks the finished tile of output columns [j0, j0 + BN) at dst (pitch ld).
+  auto park = [&](T* dst, int ld, int j0) {
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+      const int col = 8 * i + 2 * (lane % 4), j = j0 + col;  // K is even: j + 1 < K too
+      float b0 = 0.f, b1 = 0.f;
+      if (a.bias && j < a.k) {
+        b0 = to_float(__ldg(a.bias + j));
+        b1 = to_float(__ldg(a.bias + j + 1));
+      }
+      *reinterpret_cast<uint32_t*>(dst + m * ld + col) =
+          pack2<T>(acc[4 * i] + b0, acc[4 * i + 1] + b1);
+      *reinterpret_cast<uint32_t*>(dst + (m + 8) * ld + col) =
+          pack2<T>(acc[4 * i + 2] + b0, acc[4 * i + 3] + b1);
+    }
+  };
+
+  // Step t: every thread waits for its copies of t and makes them visible to the MMAs (async
+  // proxy); the barrier then also says that every warpgroup's MMAs of step t - 1 have
+  // finished (each waits for its own below), so stage (t - 1) % S takes step t + S - 1. (Also
+  // leaving one step's MMAs running, with stages reused two steps later, measured the same.)
+  const uint32_t stages_addr = smem_u32(stages);
+  int kt = 0, parked = 0;  // k step of t; column tiles parked so far
+  for (int t = 0; t < tiles; ++t) {
+    cp_async_wait<S - 2>();
+    fence_proxy_async();
+    __syncthreads();
+    const uint32_t st = stages_addr + t % S * STAGE_BYTES;
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < BK / 16; ++s) {
+      // k16 step s: 32 bytes into x's (and transposed W's) rows, 16 rows into W's.
+      const uint64_t da = smem_desc(st + wg * 64 * 128 + s * 32, 16, 1024);
+      const uint64_t db = TRANS ? smem_desc(st + Tile::A_BYTES + s * 32, 16, 1024)
+                                : smem_desc(st + Tile::A_BYTES + s * 16 * 128, BK * 128, 1024);
+      wgmma_m64n256k16<T, !TRANS>(acc, da, db, kt > 0 || s > 0);
+    }
+    wgmma_commit();
+    if (t + S - 1 < tiles) load_step(t + S - 1);
+    cp_async_commit();
+    wgmma_wait<0>();
+    if (++kt == k_tiles) {
+      if (t + 1 < tiles) {
+        park(outs + parked * BN, out_ld, (ct_begin + parked) * BN);
+        ++parked;
+      }
+      kt = 0;
+    }
+  }
+  // The last tile parks in the stages once every warpgroup is done with them.
+  cp_async_wait<0>();
+  __syncthreads();
+  park(stages, Tile::LAST_LD, (ct_end - 1) * BN);
+  if (a.cluster > 1)
+    cluster_sync();
+  else
+    __syncthreads();
+  write_parked<T, Tile>(a, row_off, nrows, outs, out_ld, stages, ct_begin, ct_end, parked);
+}
+
+template <typename T, bool TRANS, class Tile>
+__global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
+    wgmma_stream_kernel(const __grid_constant__ Args<T> a) {
+#if MTI_WGMMA
+  wgmma_body<T, TRANS, Tile>(a);
+#else
+  __trap();  // the launcher runs it only where has_wgmma() says this build has it
+#endif
+}
+
+// Whether the code loaded for the current device has the sm_90a kernels: only there does
+// this kernel have a static shared variable, which cudaFuncGetAttributes reports without a
+// launch (so also while a CUDA graph is being captured).
+// (Its values depend on the thread, so that the compiler cannot fold the array away.)
+__global__ void wgmma_probe_kernel(int* out) {
+#if MTI_WGMMA
+  __shared__ int marker[32];
+  marker[threadIdx.x % 32] = static_cast<int>(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = marker[(threadIdx.x + 1) % 32];
+#endif
+}
+
+bool has_wgmma() {
+  cudaFuncAttributes attr{};
+  return cudaFuncGetAttributes(&attr, wgmma_probe_kernel) == cudaSuccess &&
+         attr.sharedSizeBytes > 0;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -954,15 +1168,25 @@ cudaError_t launch_family(TileList<Tiles...> tiles, const Args<T>& a, const Devi
 }
 
 
-// Streaming kernel: the blocks of a cluster share a row block, so a cluster must fit on the
-// GPU at once; 8 is the largest cluster every sm_90 part schedules (portable).
-constexpr int kMaxCluster = 8;
+// Streaming kernels: the blocks of a cluster share a row block, so a cluster must fit on the
+// GPU at once (Tile::kMaxCluster).
 using StreamTiles = TileList<StreamTile<4>, StreamTile<2>>;
+// Four stages where they fit beside the parked tiles, else three.
+using WgmmaTiles = TileList<WgmmaTile<4>, WgmmaTile<3>>;
+
+template <typename T, bool TRANS, int MT>
+auto stream_kernel_of(StreamTile<MT>) {
+  return &stream_kernel<T, TRANS, StreamTile<MT>>;
+}
+template <typename T, bool TRANS, int STAGES>
+auto stream_kernel_of(WgmmaTile<STAGES>) {
+  return &wgmma_stream_kernel<T, TRANS, WgmmaTile<STAGES>>;
+}
 
 template <class Tile>
 size_t stream_smem_bytes(int tpc, size_t elem) {
-  return Tile::BM * sizeof(int64_t) +
-         (static_cast<size_t>(kStages) * Tile::STAGE +
+  return Tile::kSmemSlack + Tile::BM * sizeof(int64_t) +
+         (static_cast<size_t>(Tile::kStages) * Tile::STAGE +
           static_cast<size_t>(Tile::BM) * ((tpc - 1) * Tile::BN + Tile::kOutPad)) *
              elem;
 }
@@ -974,96 +1198,133 @@ struct StreamPlan {
   int64_t cost = INT64_MAX;  // INT64_MAX: no such launch fits
 };
 
-// The cheapest split of the column tiles among the blocks of a cluster: waves of resident
-// clusters, the per_sm blocks that share a multiprocessor in a wave sharing its throughput,
-// each block doing tpc column tiles, and a column tile costing its BM rows of MMAs plus
-// streaming its BM + BN rows of x and W from L2 (at an eighth of a row of MMAs each: launch_cost's
-// MmaTile::kWCost puts a row's load at a quarter of a 128-column row of MMAs, and these
-// rows are BN = 256 columns wide). Smaller clusters win ties. Launches
-// whose blocks would not fill half of the multiprocessors are left to the staging kernel,
-// which slices the columns finer.
-template <class Tile>
-StreamPlan plan_stream(int64_t rows, int k, size_t elem, const DeviceInfo& d) {
+constexpr int kMaxDevices = 64;
+
+// The streaming kernel of Tile with its shared memory limit raised to smem and, for clusters
+// past the portable 8, non-portable sizes allowed; and its launch configuration for row_blocks
+// row blocks in clusters of `cluster` (the grid at most INT_MAX blocks; see launch_stream_tile).
+template <typename T, bool TRANS, class Tile>
+cudaError_t stream_config(size_t smem, int cluster, int64_t row_blocks, cudaStream_t stream,
+                          cudaLaunchAttribute* attr, cudaLaunchConfig_t* cfg) {
+  const auto kernel = stream_kernel_of<T, TRANS>(Tile{});
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err == cudaSuccess && cluster > 8)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  *attr = {};
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  *cfg = {};
+  cfg->blockDim = dim3(Tile::THREADS);
+  cfg->dynamicSmemBytes = smem;
+  cfg->stream = stream;
+  cfg->attrs = attr;
+  cfg->numAttrs = 1;
+  cfg->gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(row_blocks, INT_MAX / cluster) *
+                                            cluster));
+  return err;
+}
+
+// Clusters of `cluster` blocks of Tile that the current device runs at once (0: none fits).
+// Not simply the multiprocessors divided by the cluster size: a cluster's blocks share a GPC,
+// so on an H100 (132 SMs, one block per SM) 30 clusters of 4 fit, 15 of 8 and 7 of 16. Asked
+// once per device and cluster size; blocks per SM are bound by registers, not by the shared
+// memory of the plan at hand (Tile::kBlocksPerSm = 1).
+template <typename T, bool TRANS, class Tile>
+int64_t resident_clusters(int cluster, size_t smem) {
+  static_assert(Tile::kBlocksPerSm == 1, "occupancy cached per cluster size only");
+  static std::atomic<int> cache[kMaxDevices][Tile::kMaxCluster + 1];  // answer + 1
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  std::atomic<int>* slot = device < kMaxDevices ? &cache[device][cluster] : nullptr;
+  if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
+    return slot->load(std::memory_order_relaxed) - 1;
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg;
+  int clusters = 0;
+  if (stream_config<T, TRANS, Tile>(smem, cluster, 1, nullptr, &attr, &cfg) != cudaSuccess ||
+      cudaOccupancyMaxActiveClusters(&clusters, stream_kernel_of<T, TRANS>(Tile{}), &cfg) !=
+          cudaSuccess) {
+    cudaGetLastError();  // a cluster size the device refuses: not an error of the op
+    clusters = 0;
+  }
+  if (slot != nullptr) slot->store(clusters + 1, std::memory_order_relaxed);
+  return clusters;
+}
+
+// The cheapest split of the column tiles among the blocks of a cluster: waves of the clusters
+// that are resident at once (resident_clusters), the blocks that share a multiprocessor in a
+// wave sharing its throughput, each block doing tpc column tiles, and a column tile costing
+// its BM rows of MMAs plus streaming its BM + BN rows of x and W from L2 (at an eighth of a
+// row of MMAs each: launch_cost's MmaTile::kWCost puts a row's load at a quarter of a
+// 128-column row of MMAs, and these rows are BN = 256 columns wide). Smaller clusters win
+// ties. (H100, bf16, M = 16384: a cluster of 2 blocks of 2 tiles each at K = 1024 ran 25%
+// faster than one of 4 blocks of 1 tile, which takes 5 waves of 30 clusters for 128 row
+// blocks instead of 2 of 66.) Launches whose blocks would not fill half of the
+// multiprocessors are left to the staging kernel, which slices the columns finer.
+template <typename T, bool TRANS, class Tile>
+StreamPlan plan_stream(int64_t rows, int k, const DeviceInfo& d) {
   StreamPlan best;
   const int col_tiles = (k + Tile::BN - 1) / Tile::BN;
   const int64_t row_blocks = (rows + Tile::BM - 1) / Tile::BM;
-  for (int cluster = 1; cluster <= std::min(kMaxCluster, col_tiles); ++cluster) {
+  for (int cluster = 1; cluster <= std::min(Tile::kMaxCluster, col_tiles); ++cluster) {
     const int tpc = (col_tiles + cluster - 1) / cluster;
     if ((col_tiles + tpc - 1) / tpc != cluster) continue;  // a block would be left empty
     if (2 * row_blocks * cluster < d.num_sms) continue;
-    const size_t smem = stream_smem_bytes<Tile>(tpc, elem);
+    const size_t smem = stream_smem_bytes<Tile>(tpc, sizeof(T));
     if (smem > static_cast<size_t>(d.smem_optin)) continue;
-    const int64_t per_sm = std::max<int64_t>(
-        1, std::min<int64_t>({static_cast<int64_t>(d.smem_per_sm / (smem + d.smem_reserved)),
-                              d.threads_per_sm / Tile::THREADS, Tile::kBlocksPerSm}));
-    const int64_t resident = std::max<int64_t>(1, per_sm * d.num_sms / cluster) * cluster;
-    const int64_t waves = (row_blocks * cluster + resident - 1) / resident;
+    const int64_t resident = resident_clusters<T, TRANS, Tile>(cluster, smem);
+    if (resident == 0) continue;
+    const int64_t per_sm = std::max<int64_t>(1, ceil_div(resident * cluster, d.num_sms));
+    const int64_t waves = ceil_div(row_blocks, resident);
     const int64_t cost = waves * per_sm * tpc * (Tile::BM + (Tile::BM + Tile::BN) / 8);
     if (cost < best.cost) best = {tpc, cluster, cost};
   }
   return best;
 }
 
-// Launches the streaming kernel with plan p; *launched stays false, and nothing runs, when
-// the device cannot hold one such cluster (the caller then uses the staging kernel).
+// Launches the streaming kernel with plan p (which fits: plan_stream checked).
 template <typename T, bool TRANS, class Tile>
-cudaError_t launch_stream_tile(Args<T> a, const StreamPlan& p, cudaStream_t stream,
-                               bool* launched) {
-  const auto kernel = &stream_kernel<T, TRANS, Tile>;
-  const size_t smem = stream_smem_bytes<Tile>(p.tpc, sizeof(T));
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
+cudaError_t launch_stream_tile(Args<T> a, const StreamPlan& p, cudaStream_t stream) {
   a.col_tiles_per_block = p.tpc;
   a.cluster = p.cluster;
-
   // Blocks blockIdx.x = cluster * b + rank: row block first_block + b, column slice rank.
   const int64_t row_blocks = (a.rows + Tile::BM - 1) / Tile::BM;
   const int64_t per_launch = INT_MAX / p.cluster;  // row blocks
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(p.cluster);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(Tile::THREADS);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  cfg.gridDim = dim3(static_cast<unsigned>(std::min(row_blocks, per_launch) * p.cluster));
-  int clusters = 0;
-  err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-  if (err != cudaSuccess || clusters == 0) return err;
-
-  *launched = true;
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg;
+  cudaError_t err = stream_config<T, TRANS, Tile>(stream_smem_bytes<Tile>(p.tpc, sizeof(T)),
+                                                  p.cluster, row_blocks, stream, &attr, &cfg);
+  if (err != cudaSuccess) return err;
   for (int64_t first = 0; first < row_blocks; first += per_launch) {
     a.first_block = first;
     cfg.gridDim =
         dim3(static_cast<unsigned>(std::min(row_blocks - first, per_launch) * p.cluster));
-    err = cudaLaunchKernelEx(&cfg, kernel, a);
+    err = cudaLaunchKernelEx(&cfg, stream_kernel_of<T, TRANS>(Tile{}), a);
     if (err != cudaSuccess) return err;
   }
   return cudaGetLastError();
 }
 
-// The streaming kernel with the cheapest tile and split; see launch_stream_tile for
-// *launched. Needs sm_90 (clusters) and 16-byte chunks of x and W.
+// The streaming kernel with the cheapest tile and split. *launched stays false, and nothing
+// runs, when no plan fits (the caller then uses the staging kernel). Needs sm_90 (clusters)
+// and 16-byte chunks of x and W.
 template <typename T, bool TRANS, class... Tiles>
 cudaError_t launch_stream(TileList<Tiles...>, const Args<T>& a, const DeviceInfo& d,
                           cudaStream_t stream, bool* launched) {
   *launched = false;
-  const StreamPlan plans[] = {plan_stream<Tiles>(a.rows, a.k, sizeof(T), d)...};
+  const StreamPlan plans[] = {plan_stream<T, TRANS, Tiles>(a.rows, a.k, d)...};
   int best = 0;  // the first (more rows per block) on a tie
   for (int i = 1; i < static_cast<int>(sizeof...(Tiles)); ++i)
     if (plans[i].cost < plans[best].cost) best = i;
   if (plans[best].cost == INT64_MAX) return cudaSuccess;
   cudaError_t err = cudaSuccess;
   int i = 0;
-  ((i++ == best ? (err = launch_stream_tile<T, TRANS, Tiles>(a, plans[best], stream, launched),
-                   0)
-                : 0),
+  ((i++ == best ? (err = launch_stream_tile<T, TRANS, Tiles>(a, plans[best], stream), 0) : 0),
    ...);
+  *launched = true;
   return err;
 }
 
@@ -1116,6 +1377,11 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
   if constexpr (sizeof(T) == 2) {
     if (mma && d.cc >= 90 && a.x_vec && a.w_vec) {
       bool launched = false;
+      if (d.cc == 90 && has_wgmma()) {
+        err = transpose ? launch_stream<T, true>(WgmmaTiles{}, a, d, stream, &launched)
+                        : launch_stream<T, false>(WgmmaTiles{}, a, d, stream, &launched);
+        if (err != cudaSuccess || launched) return err;
+      }
       err = transpose ? launch_stream<T, true>(StreamTiles{}, a, d, stream, &launched)
                       : launch_stream<T, false>(StreamTiles{}, a, d, stream, &launched);
       if (err != cudaSuccess || launched) return err;
