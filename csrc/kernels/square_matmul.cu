@@ -442,16 +442,20 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// The streaming kernels' last step, once the cluster barrier has ordered every read of the
-// rows before it: the block's column tiles [ct_begin, ct_end) of its nrows rows, parked at
-// outs (pitch out_ld; all but the last) and in the stages (the last, pitch Tile::LAST_LD),
-// go over x, 16 bytes at a time.
+// The streaming kernels' last step: the block's column tiles [ct_begin, ct_end) of its nrows
+// rows, parked at outs (pitch out_ld; all but the last) and in the stages (the last, pitch
+// Tile::LAST_LD), go over x, 16 bytes at a time, after a barrier that orders the reads of x
+// (the whole cluster's) before the writes and makes the parked tiles visible block-wide.
 template <typename T, class Tile>
 __device__ __forceinline__ void write_parked(const Args<T>& a, const int64_t* row_off,
                                              int nrows, const T* outs, int out_ld,
                                              const T* stages, int ct_begin, int ct_end,
                                              int parked) {
   constexpr int BN = Tile::BN;
+  if (a.cluster > 1)
+    cluster_sync();
+  else
+    __syncthreads();
   const int col0 = ct_begin * BN;
   const int last0 = parked * BN;  // the last tile's first column, from col0
   const int chunks = (min(ct_end * BN, a.k) - col0) / 8;  // per row; K is a multiple of 8
@@ -642,13 +646,6 @@ __device__ __forceinline__ void stream_body(const Args<T>& a) {
   // last tile parks in the stages once every warp is done with them.
   __syncthreads();
   park(stages, Tile::LAST_LD, (ct_end - 1) * BN);
-  // The barrier orders the reads of x (the whole cluster's) before the writes, and makes the
-  // parked tiles visible block-wide.
-  if (a.cluster > 1)
-    cluster_sync();
-  else
-    __syncthreads();
-
   write_parked<T, Tile>(a, row_off, nrows, outs, out_ld, stages, ct_begin, ct_end, parked);
 }
 
@@ -826,10 +823,6 @@ __device__ __forceinline__ void wgmma_body(const Args<T>& a) {
   cp_async_wait<0>();
   __syncthreads();
   park(stages, Tile::LAST_LD, (ct_end - 1) * BN);
-  if (a.cluster > 1)
-    cluster_sync();
-  else
-    __syncthreads();
   write_parked<T, Tile>(a, row_off, nrows, outs, out_ld, stages, ct_begin, ct_end, parked);
 }
 
