@@ -45,6 +45,7 @@ namespace {
 
 namespace cg = cooperative_groups;
 
+constexpr int kMaxDevices = 64;  // devices whose answers the launchers cache
 constexpr int kBK = 32;      // k extent of one W tile
 constexpr int kStages = 4;   // W tiles in flight in the tensor-core kernel
 constexpr int kMmaXPad = 8;  // staged x row pitch = kpad + pad (see MmaTile, FmaTile)
@@ -849,10 +850,19 @@ __global__ void wgmma_probe_kernel(int* out) {
 #endif
 }
 
+// Asked once per device: the answer cannot change while the process runs.
 bool has_wgmma() {
+  static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet, 1: no, 2: yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  std::atomic<int>* slot = device < kMaxDevices ? &cache[device] : nullptr;
+  if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
+    return slot->load(std::memory_order_relaxed) == 2;
   cudaFuncAttributes attr{};
-  return cudaFuncGetAttributes(&attr, wgmma_probe_kernel) == cudaSuccess &&
-         attr.sharedSizeBytes > 0;
+  const bool has = cudaFuncGetAttributes(&attr, wgmma_probe_kernel) == cudaSuccess &&
+                   attr.sharedSizeBytes > 0;
+  if (slot != nullptr) slot->store(has ? 2 : 1, std::memory_order_relaxed);
+  return has;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1190,8 +1200,6 @@ struct StreamPlan {
   int cluster = 0;
   int64_t cost = INT64_MAX;  // INT64_MAX: no such launch fits
 };
-
-constexpr int kMaxDevices = 64;
 
 // The streaming kernel of Tile with its shared memory limit raised to smem and, for clusters
 // past the portable 8, non-portable sizes allowed; and its launch configuration for row_blocks
