@@ -32,6 +32,13 @@ batched matmul whose left operand is dead and at least as wide as the product (a
 forms (nn.Linear, nn.Softmax, ...) reach the backend as these functions, since Dynamo inlines
 torch.nn modules.
 
+Eager attention, ``softmax_(q @ k_t, ...) @ v`` once the softmax is in place, with the scores
+dead afterwards, becomes attention_in_pieces: the same three ops, run a few heads at a time,
+so that only one piece of the B x heads x T x S scores (at most the workspace limit, at
+least one T x S matrix) is ever allocated. In-place ops alone cannot go below the full
+scores plus q, k, v and the hidden state, more than half of eager's peak (which holds two
+score-sized tensors), for a model like BERT.
+
 Constant attention masks: the model is captured with static shapes, so a mask computed from
 sizes alone (transformers builds one under torch.compile where eager mode passes none) is
 computed once at capture (_Constants). One that keeps every element is dropped; one that keeps
@@ -43,6 +50,7 @@ and no S x S mask is built.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import operator
 import os
@@ -109,9 +117,11 @@ class Site:
     shape: tuple[int, ...]  # output shape (size hints for dynamic dims)
     dtype: torch.dtype
     # Bytes of the output the original op allocated, which it no longer does. A square
-    # matmul borrows up to the workspace limit (mti.set_workspace_limit) while it runs, and
-    # matmul_over_left a piece of its product (_OVER_LEFT_PIECE_BYTES, at least one matrix),
-    # so their net saving is nbytes minus that.
+    # matmul borrows up to the workspace limit (mti.set_workspace_limit) while it runs,
+    # attention_in_pieces as much for its scores (at least one matrix) and allocates the
+    # product of probs @ v (unless that goes over the scores), and matmul_over_left a piece of
+    # its product (_OVER_LEFT_PIECE_BYTES, at least one matrix), so their net saving is
+    # nbytes minus that.
     nbytes: int
 
     def __str__(self) -> str:
@@ -191,6 +201,59 @@ def matmul_over_left(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         i1 = min(i0 + step, count)
         out[i0:i1].copy_(torch.bmm(a3[i0:i1], b3[i0:i1]))
     return out.view(*batch, m, n)
+
+
+def attention_in_pieces(
+    q: torch.Tensor,
+    k_t: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log: bool = False,
+    over_left: bool = False,
+    **softmax_kwargs,
+) -> torch.Tensor:
+    """softmax(q @ k_t) @ v (log_softmax with log=True; softmax_kwargs: softmax_'s dim,
+    scale, mask, causal) for (..., T, d) q, (..., d, S) k_t and (..., S, dv) v with the same
+    batch dims, a few matrices of the batch at a time: each piece's scores are computed,
+    normalised in place and multiplied into their rows of the (..., T, dv) product. Besides
+    the product, one piece of scores is all it allocates: as many whole T x S matrices of the
+    last batch dim (attention's heads) as fit in the workspace limit (mti.get_workspace_limit),
+    at least one. over_left: where one piece holds every matrix, write the product over the
+    scores (matmul_over_left) instead of allocating it; the caller has checked that this is
+    safe (see _Rewriter._over_left_ok).
+    """
+    *batch, t, _ = q.shape
+    s = k_t.shape[-1]
+    if not batch or list(k_t.shape[:-2]) != batch or list(v.shape[:-1]) != [*batch, s]:
+        raise ValueError(
+            f"attention_in_pieces: needs (..., T, d) q, (..., d, S) k_t and (..., S, dv) v with "
+            f"the same batch dims, got {tuple(q.shape)}, {tuple(k_t.shape)}, {tuple(v.shape)}"
+        )
+    softmax = ops.log_softmax_ if log else ops.softmax_
+    dim = softmax_kwargs.pop("dim", -1)
+    dim = dim - q.dim() if dim >= 0 else dim  # the pieces drop the leading batch dims
+    mask = softmax_kwargs.pop("mask", None)
+    heads = batch[-1]
+    matrix_bytes = max(1, t * s * q.element_size())
+    step = max(1, min(heads, ops.get_workspace_limit() // matrix_bytes))
+    if step == heads and math.prod(batch) == heads and over_left:
+        scores = torch.matmul(q, k_t)
+        softmax(scores, dim, mask=mask, **softmax_kwargs)
+        return matmul_over_left(scores, v)
+    if mask is not None:  # as many dims as the scores, to index like them
+        mask = mask[(None,) * (q.dim() - mask.dim())]
+    out = torch.empty((*batch, t, v.shape[-1]), dtype=q.dtype, device=q.device)
+    for outer in itertools.product(*map(range, batch[:-1])):
+        for h0 in range(0, heads, step):
+            piece = (*outer, slice(h0, h0 + step))
+            scores = torch.matmul(q[piece], k_t[piece])
+            if mask is not None:  # the same rows of a broadcast mask, which may have size 1
+                at = [i if n > 1 else 0 for i, n in zip(outer, mask.shape)]
+                at.append(piece[-1] if mask.shape[len(outer)] > 1 else slice(0, 1))
+                softmax_kwargs["mask"] = mask[tuple(at)]
+            softmax(scores, dim, **softmax_kwargs)
+            torch.matmul(scores, v[piece], out=out[piece])
+    return out
 
 
 class _Backend:
@@ -288,6 +351,8 @@ class _Liveness:
                 if node.op in ("placeholder", "get_attr"):
                     self._inputs.add(key)
             self.note_reads(node, i)
+            if _drops_nothing(node) and _storages(node) and _storages(node.args[0]):
+                self.merge(node, node.args[0])  # the same tensor at run time
 
     def _root(self, key: StorageWeakRef) -> StorageWeakRef:
         while self._parent[key] != key:
@@ -487,7 +552,10 @@ class _Rewriter:
             x, weight, bias, fn = a["mat1"], a["mat2"], a["input"], ops.square_matmul_
         t, w = _tensor(x), _tensor(weight)
         if family == "matmul" and t is not None and w is not None and w.dim() >= 3:
-            self._matmul_over_left(node, x, weight)
+            if not self._attention(node, x, weight) and self._over_left_ok(node, x, weight):
+                self._replace(node, matmul_over_left, (x, weight), {}, x,
+                              value=t.as_strided(_tensor(node).shape, _tensor(node).stride()))
+                self._site(matmul_over_left, ["matmul"], node, node)
             return
         if t is None or w is None or w.dim() != 2 or not _same(w.shape[0], w.shape[1]):
             return
@@ -506,18 +574,18 @@ class _Rewriter:
             self._replace(node, fn, (x, weight, bias), {}, x)
             self._site(fn, [family], node, node)
 
-    def _matmul_over_left(self, node, a, b) -> None:
-        """a @ b of batches of matrices (attention's probs @ v) -> matmul_over_left(a, b) for a
-        dead contiguous `a` at least as wide as the product: the product then lives in a's
-        memory, so a (the S x S probabilities) is freed only with the product. That is a
-        saving only if nothing else is allocated meanwhile: the product's last reader must be
-        the first node after it to allocate, and allocate no more than the product (the copy
-        that merges heads does both)."""
+    def _over_left_ok(self, node, a, b) -> bool:
+        """Whether a @ b of batches of matrices (attention's probs @ v) may be written over a
+        dead contiguous `a` at least as wide as the product (matmul_over_left): the product
+        then lives in a's memory, so a (the S x S probabilities) is freed only with the
+        product. That is a saving only if nothing else is allocated meanwhile: the product's
+        last reader must be the first node after it to allocate, and allocate no more than the
+        product (the copy that merges heads does both)."""
         t, u, out = _tensor(a), _tensor(b), _tensor(node)
         if out is None or not all(
             isinstance(s, int) for v in (t, u, out) for s in (*v.shape, *v.stride())
         ):
-            return  # static shapes only: the pieces of the product are sized when it runs
+            return False  # static shapes only: the pieces of the product are sized when it runs
         *batch, m, k = t.shape
         if not (
             t.dim() == u.dim()
@@ -527,23 +595,77 @@ class _Rewriter:
             and _inplace_ok(t, t, mti_op=True)  # a float, contiguous
             and _contiguous_dims(out.shape, out.stride())
         ):
-            return
+            return False
         pos = self.live.pos[node]
         if not (self.live.dead_after(a, pos) and self.live.disjoint(a, [b])):
-            return
+            return False
         last = max(self.live.last_read(node), pos)
         later = node.next
         while (at := self.live.pos.get(later)) is None or at <= last:
             if at is None or later.op == "output":  # (output: the caller would get a's memory)
-                return
+                return False
             if self.live.allocates(later):
                 value = _tensor(later)  # None: several values (max's values and indices)
                 if at != last or value is None or value.nbytes > out.nbytes:
-                    return
+                    return False
             later = later.next
-        value = t.as_strided(out.shape, out.stride())
-        self._replace(node, matmul_over_left, (a, b), {}, a, value=value)
-        self._site(matmul_over_left, ["matmul"], node, node)
+        return True
+
+    def _attention(self, node, probs, v) -> bool:
+        """softmax_(q @ k_t, ...) @ v (softmax_ as the first pass left it; eval-mode dropout
+        or other aliases of the probabilities in between) with the scores dead afterwards ->
+        attention_in_pieces(q, k_t, v, ...): the whole (..., T, S) scores are never
+        allocated, one piece of them at a time. Returns whether it rewrote."""
+        chain = []  # probs back to the softmax_ node: nodes that return their input as is
+        sm = probs
+        while len(sm.users) == 1 and _returns_input(sm):
+            chain.append(sm)
+            sm = sm.args[0]
+        if not (
+            sm.op == "call_function"
+            and sm.target in (ops.softmax_, ops.log_softmax_)
+            and len(sm.users) == 1
+            and isinstance(sm.args[0], fx.Node)
+            and len(sm.args[0].users) == 1
+        ):
+            return False
+        scores = sm.args[0]
+        m = _match(scores, ("matmul",))
+        if m is None:
+            return False
+        q, k_t = m[1]["input"], m[1]["other"]
+        tq, tk, tv, ts, out = map(_tensor, (q, k_t, v, scores, node))
+        if any(t is None for t in (tq, tk, tv, ts, out)):
+            return False
+        batch = list(ts.shape[:-2])
+        dim = sm.kwargs.get("dim", -1)
+        mask = sm.kwargs.get("mask")
+        pos = self.live.pos[node]
+        if not (
+            ts.dim() >= 3
+            and all(t.dim() == ts.dim() and list(t.shape[:-2]) == batch for t in (tq, tk, tv))
+            and _same(tv.shape[-2], ts.shape[-1])
+            and all(t.dtype == ts.dtype for t in (tq, tk, tv))
+            and isinstance(dim, int)
+            and dim in (-1, -2, ts.dim() - 1, ts.dim() - 2)  # not a batch dim
+            and _contiguous_dims(out.shape, out.stride())
+            and self.live.allocates(scores)
+            and self.live.dead_after(probs, pos)
+            and self.live.dead_after(scores, pos)
+            and self._unread_between([scores, sm, *reversed(chain)], node, [scores, q, k_t, mask])
+        ):
+            return False
+        kwargs = dict(sm.kwargs)
+        if sm.target is ops.log_softmax_:
+            kwargs["log"] = True
+        pattern = ["matmul", _op_name(sm.target), "matmul"]
+        if self._over_left_ok(node, probs, v):
+            kwargs["over_left"] = True
+            pattern[-1] += " (over the scores when in one piece)"
+        erase = [*chain, sm, scores]
+        self._replace(node, attention_in_pieces, (q, k_t, v), kwargs, node, erase=erase)
+        self._site(attention_in_pieces, pattern, scores, scores)
+        return True
 
     def _norm(self, node, family, a) -> None:
         x, weight = a["input"], a["weight"]
@@ -1007,6 +1129,39 @@ def _is_number(c) -> bool:
 
 
 # --------------------------------------------------------------------------- fake values
+
+
+def _drops_nothing(node: fx.Node) -> bool:
+    """node is a dropout that returns its input itself (eval mode, or p = 0), which Dynamo's
+    example values may show as a copy."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.target is F.dropout:
+        names = ("input", "p", "training", "inplace")
+    elif node.target is torch.dropout:
+        names = ("input", "p", "train")
+    else:
+        return False
+    a = {"p": 0.5, "training": True, "train": True, **dict(zip(names, node.args)), **node.kwargs}
+    return not (a["training"] and a["train"]) or a["p"] == 0
+
+
+def _returns_input(node: fx.Node) -> bool:
+    """node's value is its first argument's tensor as is, and node writes nothing: a dropout
+    that drops nothing, .contiguous() / .to() / .type() that copy nothing."""
+    if not (
+        _drops_nothing(node)
+        or (node.op == "call_method" and node.target in ("contiguous", "to", "type") and node.args)
+    ):
+        return False
+    t, u = _tensor(node), _tensor(node.args[0])
+    return (
+        t is not None
+        and u is not None
+        and t.dtype == u.dtype
+        and _same_layout(t, u)
+        and _same(t.storage_offset(), u.storage_offset())
+    )
 
 
 def _tensor(arg) -> torch.Tensor | None:

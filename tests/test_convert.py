@@ -2,6 +2,7 @@
 the model, PyTorch's own error as the yardstick), never write their inputs or parameters, and
 rewrite exactly the sites where the overwritten tensor is dead."""
 
+import contextlib
 import copy
 import importlib
 
@@ -14,7 +15,16 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import make_torch_inplace as mti
-from helpers import DEVICES, assert_accurate, examples, lead_shapes, randn, seeds
+from helpers import (
+    DEVICES,
+    assert_accurate,
+    examples,
+    lead_shapes,
+    randn,
+    ref_log_softmax,
+    ref_softmax,
+    seeds,
+)
 
 D, HEADS = 64, 4
 
@@ -277,13 +287,19 @@ def test_where_on_dead_scores_runs_in_place(mask_fn):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_pre_norm_block_writes_probs_at_v_over_the_probs(device):
-    """With seq >= head dim, probs @ v goes over the dead probabilities: the merge of the
-    heads (reshape) is the first allocation after it and reads it last."""
+@pytest.mark.parametrize("limit", [None, 0])
+def test_pre_norm_block_attention_in_pieces(device, limit):
+    """The scores, softmax_ and probs @ v become attention_in_pieces: with the workspace limit
+    0, one head's scores at a time; with the default limit, all at once, and (seq >= head dim)
+    the product over the dead scores, as the merge of the heads (reshape) is the first
+    allocation after it and reads it last."""
     model = make_block(PreNormBlock, device)
-    converted = check_converted(model, *block_inputs(device, t=32))
-    [site] = [s for s in converted.sites if s.op == "matmul_over_left"]
-    assert site.shape == (2, HEADS, 32, D // HEADS)
+    with contextlib.nullcontext() if limit is None else mti.workspace_limit(limit):
+        converted = check_converted(model, *block_inputs(device, t=32))
+    [site] = [s for s in converted.sites if s.op == "attention_in_pieces"]
+    assert site.shape == (2, HEADS, 32, 32)
+    assert site.pattern == "matmul -> softmax_ -> matmul (over the scores when in one piece)"
+    assert "matmul_over_left" not in ops_of(converted)
 
 
 @settings(max_examples=examples(40), deadline=None)
@@ -307,6 +323,64 @@ def test_matmul_over_left(batch, m, k, n_less, piece_matrices, seed, monkeypatch
     out = convert_module.matmul_over_left(a, b)
     assert_accurate(out, expected, ref64)
     assert out.is_contiguous() and out.data_ptr() == a.data_ptr()
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(
+    batch=lead_shapes(max_dims=3, max_size=3).filter(bool),
+    t=st.integers(1, 9),
+    s=st.integers(1, 9),
+    d=st.integers(1, 5),
+    dv=st.integers(1, 9),
+    piece_matrices=st.integers(1, 4),
+    mask_kind=st.sampled_from([None, "additive", "bool"]),
+    broadcast=st.integers(0, 15),
+    scale=st.sampled_from([None, 0.5]),
+    causal=st.booleans(),
+    log=st.booleans(),
+    over_left=st.booleans(),
+    seed=seeds,
+)
+def test_attention_in_pieces(batch, t, s, d, dv, piece_matrices, mask_kind, broadcast, scale,
+                             causal, log, over_left, seed):
+    """softmax(q @ k_t * scale + mask) @ v a few matrices of the last batch dim at a time
+    (pieces of `piece_matrices` matrices), with a mask broadcast over any of the dims: equal
+    to the unpieced computation within its error against fp64; q, k_t, v and the mask are
+    left as they were."""
+    if log:  # masked log-probabilities are -inf, which makes a product meaningless
+        mask_kind, causal = None, False
+    q = randn((*batch, t, d), torch.float32, "cpu", seed)
+    k_t = randn((*batch, s, d), torch.float32, "cpu", seed + 1).transpose(-1, -2)  # strided
+    v = randn((*batch, s, dv), torch.float32, "cpu", seed + 2)
+    kwargs = {"scale": scale, "causal": causal}
+    if mask_kind is not None:
+        # Size 1 in the dims whose bit is set in `broadcast`; fewer dims than the scores when
+        # the leading batch dim is broadcast.
+        shape = [1 if broadcast >> i & 1 else n for i, n in enumerate((*batch, t, s))]
+        mask = randn(shape, torch.float32, "cpu", seed + 3)
+        if mask_kind == "bool":
+            mask = mask > -1.0
+        kwargs["mask"] = mask[0] if shape[0] == 1 and len(shape) > 3 else mask
+    inputs = [q, k_t, v, kwargs.get("mask")]
+    before = [None if x is None else x.clone() for x in inputs]
+    ref_fn = ref_log_softmax if log else ref_softmax
+
+    def reference(q, k_t, v, mask):
+        kw = {**kwargs, "mask": mask}
+        return ref_fn(q @ k_t, -1, **kw) @ v
+
+    ref64 = reference(*(None if x is None else x.double() if x.is_floating_point() else x
+                        for x in inputs))
+    expected = reference(*inputs)
+    convert_module = importlib.import_module("make_torch_inplace.convert")
+    with mti.workspace_limit(piece_matrices * t * s * 4):
+        out = convert_module.attention_in_pieces(
+            q, k_t, v, dim=-1, log=log, over_left=over_left and dv <= s, **kwargs
+        )
+    assert_accurate(out, expected, ref64)
+    assert out.shape == (*batch, t, dv) and out.is_contiguous()
+    for x, b in zip(inputs, before, strict=True):
+        assert x is None or torch.equal(x, b)
 
 
 def test_matmul_over_left_refuses_a_narrower_than_the_product():
@@ -410,6 +484,26 @@ def _product_read_by_a_tuple_op(m, x):
     return top
 
 
+def _attention_inputs(m, x):
+    """A dead (2, 8, 4) q, a (2, 4, 8) k_t and a (2, 8, 8) v, none of which is x itself (q
+    a view, so that q @ k_t does not go over q's memory instead)."""
+    v = m.lin(x)[..., :8]
+    return m.lin(x)[..., :4], x[..., :4].transpose(-1, -2), v
+
+
+def _probs_returned(m, x):
+    q, k_t, v = _attention_inputs(m, x)
+    p = torch.softmax(q @ k_t, -1)
+    return p @ v, p
+
+
+def _q_written_before_product(m, x):
+    q, k_t, v = _attention_inputs(m, x)
+    p = torch.softmax(q @ k_t, -1)
+    q.mul_(2.0)  # the scores were computed from q before this
+    return p @ v, q
+
+
 NOT_REWRITTEN = {
     "input": (lambda m, x: torch.softmax(x, -1), "softmax_"),
     "parameter": (lambda m, x: torch.softmax(m.w, -1) @ x.transpose(-1, -2), "softmax_"),
@@ -428,6 +522,8 @@ NOT_REWRITTEN = {
     "probs_read_after_product": (_probs_read_after_product, "matmul_over_left"),
     "allocation_before_product_read": (_allocation_before_product_read, "matmul_over_left"),
     "product_read_by_a_tuple_op": (_product_read_by_a_tuple_op, "matmul_over_left"),
+    "probs_returned": (_probs_returned, "attention_in_pieces"),
+    "q_written_before_product": (_q_written_before_product, "attention_in_pieces"),
 }
 
 
@@ -450,6 +546,18 @@ def test_probs_at_v_over_the_probs_where_safe():
     torch.manual_seed(0)
     converted = check_converted(Probe(merged).eval(), randn((2, 8, D), torch.float32, "cpu", 1))
     assert "matmul_over_left" in ops_of(converted)
+
+
+def test_attention_in_pieces_where_safe():
+    """The attention probes above without their hazard."""
+
+    def attention(m, x):
+        q, k_t, v = _attention_inputs(m, x)
+        return torch.softmax(q @ k_t, -1) @ v
+
+    torch.manual_seed(0)
+    converted = check_converted(Probe(attention).eval(), randn((2, 8, D), torch.float32, "cpu", 1))
+    assert "attention_in_pieces" in ops_of(converted)
 
 
 def test_write_between_scale_and_softmax_is_not_folded():
@@ -544,17 +652,19 @@ class _LastHiddenState(nn.Module):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("limit", [None, 0])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
-def test_transformers(kind, attn, device):
+def test_transformers(kind, attn, limit, device):
+    """With the workspace limit 0, eager attention runs one head's scores at a time."""
     model, config = _hf_model(kind, attn)
-    # 24 tokens: at least the head dim (16), so eager's probs @ v can go over the probs.
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 24, dtype=torch.long)
     mask[1, 19:] = 0  # padding: the eager attention adds a mask
-    converted = check_converted(
-        _LastHiddenState(model).to(device), ids.to(device), mask.to(device)
-    )
+    with contextlib.nullcontext() if limit is None else mti.workspace_limit(limit):
+        converted = check_converted(
+            _LastHiddenState(model).to(device), ids.to(device), mask.to(device)
+        )
     sites = converted.sites
     layers = config.num_hidden_layers
     softmaxes = [s for s in sites if s.op == "softmax_"]
@@ -566,8 +676,9 @@ def test_transformers(kind, attn, device):
     if kind == "bert":  # post-norm: the embeddings' norm and two per layer
         assert len(norms) == 1 + 2 * layers
     assert len([s for s in sites if s.op in ("linear_", "square_matmul_")]) == layers
-    over_probs = [s for s in sites if s.op == "matmul_over_left"]
-    assert len(over_probs) == (layers if attn == "eager" else 0)
+    pieces = [s for s in sites if s.op == "attention_in_pieces"]
+    assert len(pieces) == (layers if attn == "eager" else 0)
+    assert "matmul_over_left" not in ops_of(converted)
 
 
 class _InputIdsOnly(nn.Module):
