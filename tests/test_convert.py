@@ -484,6 +484,12 @@ def _product_read_by_a_tuple_op(m, x):
     return top
 
 
+def _eval_dropout_read_later(m, x):
+    p = torch.softmax(m.lin(x), -1)
+    d = F.dropout(p, 0.1, training=False)  # p itself, though Dynamo's example value is a copy
+    return d * 2.0 + p
+
+
 def _attention_inputs(m, x):
     """A dead (2, 8, 4) q, a (2, 4, 8) k_t and a (2, 8, 8) v, none of which is x itself (q
     a view, so that q @ k_t does not go over q's memory instead)."""
@@ -522,6 +528,7 @@ NOT_REWRITTEN = {
     "probs_read_after_product": (_probs_read_after_product, "matmul_over_left"),
     "allocation_before_product_read": (_allocation_before_product_read, "matmul_over_left"),
     "product_read_by_a_tuple_op": (_product_read_by_a_tuple_op, "matmul_over_left"),
+    "eval_dropout_read_later": (_eval_dropout_read_later, "mul_"),
     "probs_returned": (_probs_returned, "attention_in_pieces"),
     "q_written_before_product": (_q_written_before_product, "attention_in_pieces"),
 }
