@@ -18,6 +18,8 @@
 //   using State;                    reduction state, see kernels/reduce.cuh
 //   static constexpr float kPad;    value of a column that is not read: past the row's end or
 //                                   past its causal limit. local() must treat it as absent.
+//   template <typename T> static constexpr int kCtaRowRegs;   values per thread where a CTA
+//                                   of up to kMaxThreads threads holds a row
 //   struct Row { int64_t load_end; ... };   per-row context; columns >= load_end are not read
 //   Row row(int64_t r, const T* x_row) const;    x_row: the row's first element
 //   template <int VEC> using Aux;   per-vector side input read along with x (mask values)
@@ -56,16 +58,11 @@ constexpr int kVec = 16 / static_cast<int>(sizeof(T));
 
 // Row values one thread keeps in registers on the vector paths (fp32 registers; with 16-bit
 // types that is as many elements). Rows of up to a warp keep at most kWarpRegs per thread,
-// longer rows kCtaRegs: with the ~35 registers of bookkeeping a CTA of kMaxThreads threads
-// then needs <= 128 registers per thread, so two CTAs fit on an SM, one loading while the
-// other reduces or writes. A CTA holds kMaxThreads * kCtaRegs = 16384 values, a cluster of 16
-// CTAs 262144.
+// rows of a CTA Op::kCtaRowRegs<T> (see the Op concept), longer rows kCtaRegs: with the ~35
+// registers of bookkeeping a CTA of kMaxThreads threads then needs <= 128 registers per
+// thread, so two CTAs fit on an SM, one loading while the other reduces or writes. A CTA
+// holds kMaxThreads * kCtaRegs = 16384 values, a cluster of 16 CTAs 262144.
 constexpr int kWarpRegs = 32;
-// A CTA per row in 16-bit: each thread holds 64 values, twice the bytes per thread (and half
-// the warps per row to reduce over) kWarpRegs would give. On an H100 that took 16-bit softmax
-// at N = 8192 from ~1.9 to ~2.2 TB/s.
-template <class Op, typename T>
-constexpr int kCtaRowRegs = sizeof(T) == 2 ? 64 : kWarpRegs;
 constexpr int kCtaRegs = 64;
 // Values per thread and step when streaming: fewer keep the two-pass kernel clear of spills.
 constexpr int kStreamRegs = 16;
@@ -210,8 +207,9 @@ struct GlobalVectors {
   }
 };
 
-// A thread's staged vectors: vector k of its step sits at slots[k * stride]. With the
-// threads of a CTA side by side (stride = blockDim.x), a warp reads 512 contiguous bytes.
+// A thread's staged vectors (stage_step; the backward kernels' prefetch): vector k of its
+// step sits at slots[k * stride]. With the threads of a CTA side by side (stride =
+// blockDim.x), a warp reads 512 contiguous bytes.
 template <int VEC, typename T>
 struct StagedVectors {
   const Packed<T, VEC>* slots;
@@ -392,21 +390,14 @@ __device__ __forceinline__ void write_step(float (&z)[NV][VEC], const Op& op,
 
 enum class RowPath { kResident, kCluster, kStream };
 
-// Whether a path prefetches rows into shared memory (see row_kernel).
-template <class Op>
-__host__ __device__ constexpr bool staged_path(RowPath path, int vec) {
-  return Op::kStage && path != RowPath::kStream && vec > 1;
-}
-
 // CTAs of kMaxThreads threads that row_kernel is compiled to fit on an SM at once; the
 // register cap follows (128 per thread for 2, 80 for 3). More CTAs keep more rows in flight:
 // with 3, H100 bf16 LayerNorm at N = 256-1024 ran 4-5% faster. Only 16-bit rows of at most
-// kWarpRegs values per thread that are not staged take 3: longer rows need the registers,
-// staged ones (16-bit softmax) spilled at 80 and ran 1-3% slower, and fp32 rows (accurate exp,
-// LayerNorm's TwoSum) spilled on some architectures.
-template <class Op, typename T>
-__host__ __device__ constexpr int min_ctas_per_sm(int values, RowPath path, int vec) {
-  return sizeof(T) == 2 && values <= kWarpRegs && !staged_path<Op>(path, vec) ? 3 : 2;
+// kWarpRegs values per thread take 3: longer rows need the registers, and fp32 rows (accurate
+// exp, LayerNorm's TwoSum) spilled on some architectures.
+template <typename T>
+__host__ __device__ constexpr int min_ctas_per_sm(int values) {
+  return sizeof(T) == 2 && values <= kWarpRegs ? 3 : 2;
 }
 
 // How many params a launch would cache: up to the last one given (not nullptr).
@@ -427,27 +418,21 @@ int params_to_cache(const ColumnParams<T, K>& params) {
 // kMaxThreads * NV vectors, in which thread t owns t, t + kMaxThreads, ... Either way a warp
 // reads 32 neighbouring vectors at a time. A step is NV vectors per thread: resident rows
 // are one step, streamed rows loop over steps twice. The grid strides over rows (groups of
-// rows, clusters).
-//
-// kStaged (ops with Op::kStage, resident and cluster rows read by vectors): while a row is
-// reduced and written, the thread's vectors of its next row are already on their way into
-// shared memory (cp.async, row_smem_bytes() of dynamic shared memory: NV vectors per thread).
-// Without it the loads of a row start only once the previous row is written, and the memory
-// system idles through every reduction; that costs most where the arithmetic per byte is
-// highest (16-bit softmax).
+// rows, clusters). The CTAs resident on an SM overlap one another's loads with their
+// reductions; prefetching a CTA's next row into shared memory (cp.async) while it reduces
+// made 16-bit softmax 3-4% slower at N = 256-16384 on an H100 (and norms slower still).
 //
 // kCached (ops with Op::kParams; not on the streaming path): the first kCached params (their
-// value where absent) are copied into shared memory once (cache_param, after the staged
-// vectors) and read from there in every row's write loop, the others from global memory (see
-// ParamReader).
+// value where absent) are copied into shared memory once (cache_param, row_smem_bytes() of
+// dynamic shared memory: NV vectors per thread and param) and read from there in every row's
+// write loop, the others from global memory (see ParamReader).
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
-__global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<Op, T>(VEC * NV, kPath, VEC))
+__global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
     row_kernel(T* __restrict__ x, const RowLayout layout, const Op op, const int tpr,
                const int cluster) {
   using State = typename Op::State;
   using Vec = Packed<T, VEC>;
   constexpr bool kStream = kPath == RowPath::kStream;
-  constexpr bool kStaged = staged_path<Op>(kPath, VEC);
   constexpr int kStride = kPath == RowPath::kCluster ? kMaxThreads : 0;
   static_assert(kCached == 0 || !kStream, "a streamed row's columns change from step to step");
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
@@ -457,7 +442,6 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<Op, T>(VEC * NV, 
   __shared__ ClusterExchange<State> exchange;
   // One name and type for every instantiation's dynamic shared memory, as CUDA requires.
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
-  Vec* const staged = reinterpret_cast<Vec*>(dynamic_smem);
 
   const bool cta_rows = kPath == RowPath::kCluster || tpr > kWarpSize;
   const int rank = static_cast<int>(blockIdx.x) % cluster;
@@ -469,38 +453,22 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<Op, T>(VEC * NV, 
   const int64_t col_stride = VEC == 1 ? layout.col_stride : 1;
   const int64_t row_groups = ceil_div(layout.rows, rows_per_cta);
   const int64_t group_stride = gridDim.x / cluster;
-  const StagedVectors<VEC, T> mine_staged{staged + threadIdx.x, static_cast<int>(blockDim.x)};
-
-  // Stages this thread's part of group g's row, if it has one; returns the row's context.
-  auto stage_row = [&](int64_t g) {
-    typename Op::Row rc{};
-    const int64_t r = g * rows_per_cta + sub_row;
-    if (g < row_groups && r < layout.rows) {
-      const T* row = x + layout.row.offset(r);
-      rc = op.row(r, row);
-      stage_step<NV>(staged + threadIdx.x, static_cast<int>(blockDim.x), row,
-                     Cursor{t, lane_group}, static_cast<Col>(rc.load_end));
-    }
-    return rc;
-  };
 
   if (cluster > 1) {
     cluster_exchange_init(exchange);
     cluster_sync();
   }
-  Vec* const param_slots = staged + (kStaged ? NV * blockDim.x : 0) + threadIdx.x;
+  Vec* const param_slots = reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x;
   if constexpr (kCached > 0) {
 #pragma unroll
     for (int i = 0; i < kCached; ++i)
       cache_param<NV>(param_slots + i * NV * blockDim.x, static_cast<int>(blockDim.x),
                       op.params.ptr[i], op.params.absent[i], Cursor{t, lane_group},
                       static_cast<Col>(layout.n));
-    cp_async_commit();  // before any staging: the first cp_async_wait of a staged row covers it
+    cp_async_commit();
   }
   const ParamReader<NV, VEC, T, Op::kParams, kCached> params{op.params, param_slots,
                                                              static_cast<int>(blockDim.x)};
-  typename Op::Row staged_rc{};
-  if constexpr (kStaged) staged_rc = stage_row(blockIdx.x / cluster);
   unsigned rows_done = 0;  // by this thread: picks the reduction buffers
   for (int64_t g = blockIdx.x / cluster; g < row_groups; g += group_stride) {
     const int64_t r = g * rows_per_cta + sub_row;
@@ -509,7 +477,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<Op, T>(VEC * NV, 
     typename Op::Row rc{};
     if (active) {
       row += layout.row.offset(r);
-      rc = kStaged ? staged_rc : op.row(r, row);
+      rc = op.row(r, row);
     }
     // Inactive threads (past the last row) take part in the reductions with empty chunks.
     const Col load_end = active ? static_cast<Col>(rc.load_end) : 0;
@@ -527,12 +495,6 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<Op, T>(VEC * NV, 
                                       Cursor{s * step_vecs + t, lane_group}, load_end, end);
         mine = s == 0 ? chunk : State::combine(mine, chunk);
       }
-    } else if constexpr (kStaged) {
-      cp_async_wait<0>();
-      mine = read_step(z, op, mine_staged, rc, Cursor{t, lane_group}, load_end, end);
-      // `mine` depends on every staged value, so they are all in registers: the slots can
-      // take the next row. Each thread reads only the slots it filled itself, so no barrier.
-      staged_rc = stage_row(g + group_stride);
     } else {
       mine = read_step(z, op, from_global, rc, Cursor{t, lane_group}, load_end, end);
     }
@@ -553,7 +515,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<Op, T>(VEC * NV, 
         write_step(z, op, op.out(fin, chunk), params, row, at, col_stride, end);
       }
     } else {
-      if constexpr (kCached > 0 && !kStaged) cp_async_wait<0>();  // the cached params are in
+      if constexpr (kCached > 0) cp_async_wait<0>();  // the cached params are in
       write_step(z, op, op.out(fin, mine), params, row, Cursor{t, lane_group}, col_stride, end);
     }
   }
@@ -603,11 +565,10 @@ inline cudaError_t current_device(int* device, DeviceInfo* info) {
   return cudaSuccess;
 }
 
-// Dynamic shared memory of a launch of row_kernel: the staged vectors, then the cached params.
+// Dynamic shared memory of a launch of row_kernel: the cached params.
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
 constexpr size_t row_smem_bytes(int threads) {
-  const int slots = (staged_path<Op>(kPath, VEC) ? NV : 0) + kCached * NV;
-  return static_cast<size_t>(slots) * threads * sizeof(Packed<T, VEC>);
+  return static_cast<size_t>(kCached) * NV * threads * sizeof(Packed<T, VEC>);
 }
 
 // How many CTAs (clusters of `cluster` CTAs when cluster > 1) of `threads` threads with
@@ -793,7 +754,7 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
       default: return launch(std::integral_constant<int, kWarpNV>{});
     }
   }
-  constexpr int kCtaRowNV = kCtaRowRegs<Op, T> / VEC;
+  constexpr int kCtaRowNV = Op::template kCtaRowRegs<T> / VEC;
   if (vecs <= int64_t{kMaxThreads} * kCtaRowNV) {  // a CTA per row, as many threads as it takes
     const int threads = static_cast<int>(round_up(ceil_div(vecs, kCtaRowNV), kWarpSize));
     return launch_caching<Op, T, VEC, kCtaRowNV, RowPath::kResident>(x, layout, op, threads, 1,

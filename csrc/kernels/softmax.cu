@@ -53,10 +53,10 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   using Rows::scale;
   using State = MaxSum;
   using MaskT = typename Rows::template MaskOf<T>;
-  // Prefetch rows (see row_kernel) in 16-bit, where a byte carries twice the arithmetic of
-  // fp32. Measured on an H100: +10-40% for 16-bit softmax; fp32 softmax runs at ~0.92x of a
-  // copy without it and was no faster with it.
-  static constexpr bool kStage = sizeof(T) == 2;
+  // Rows of a CTA: kWarpRegs values per thread, more threads per row than 64 would give.
+  // Measured on an H100 (bf16, N = 2048-8192): 0.93-0.97x of a copy, 0.92-0.95x with 64.
+  template <typename>
+  static constexpr int kCtaRowRegs = kWarpRegs;
   // An unread column (causal limit, past the end) is a masked one.
   static constexpr float kPad = -INFINITY;
   static constexpr int kParams = 0;
