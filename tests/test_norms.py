@@ -76,6 +76,20 @@ def test_layer_norm(device, dtype, case, with_weight, with_bias, eps, seed):
 
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=examples(20))
+@given(rows=st.integers(1, 8), n=widths(), offset=st.sampled_from([-300.0, 100.0, 1000.0, 3e4]),
+       spread=st.sampled_from([1e-3, 1.0, 30.0]), seed=seeds)
+def test_layer_norm_with_a_large_common_offset(device, dtype, rows, n, offset, spread, seed):
+    """Rows far from 0 relative to their spread: the statistics must not lose the spread to
+    the offset's rounding (the fp32 kernels reduce relative to a pivot, the 16-bit ones need
+    none as long as their values differ at all)."""
+    x = (randn((rows, n), torch.float32, device, seed) * spread + offset).to(dtype)
+    weight, bias = affine_params((n,), dtype, device, seed, True, True)
+    check_op(mti.layer_norm_, ref_layer_norm, x, (n,), weight, bias, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=examples(30))
 @given(case=norm_cases(), with_weight=st.booleans(),
        eps=st.sampled_from([None, 1e-6, 1e-5, 1e-2]), seed=seeds)
