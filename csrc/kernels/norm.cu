@@ -89,9 +89,9 @@ struct NormOpBase {
 template <typename T>
 struct LayerNormOp : NormOpBase<T, MeanM2, 2> {
   // 16-bit rows of a CTA: 64 values per thread, twice the bytes in flight per thread (and
-  // half the warps to reduce over) of kWarpRegs. Measured on an H100 (bf16, N = 2048-8192):
-  // 0.91-0.93x of a copy, 0.85-0.91x with kWarpRegs; softmax and RMSNorm ran 1-4% faster
-  // with kWarpRegs.
+  // half the warps to reduce over) of kWarpRegs. Measured on an H100 (bf16, N = 2048-8192,
+  // when these rows cached their params): 0.91-0.93x of a copy, 0.85-0.91x with kWarpRegs;
+  // softmax and RMSNorm ran 1-4% faster with kWarpRegs.
   template <typename U>
   static constexpr int kCtaRowRegs = sizeof(U) == 2 ? 64 : kWarpRegs;
   // An fp32 row is reduced relative to its first element (the pivot): with a large common

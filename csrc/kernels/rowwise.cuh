@@ -257,7 +257,8 @@ struct ParamReader {
 // with a weight, 0.93x with it cached). cp.async, so that the copies run alongside the first
 // row's loads (one after another they held each CTA's start up), and through L1 (.ca), which
 // the CTAs of an SM that own the same columns share: through L2 alone (.cg) 16-bit LayerNorm
-// at N = 2048-8192 ran at 0.76-0.84x of a copy, through L1 at 0.91-0.92x.
+// at N = 2048-8192 ran at 0.76-0.84x of a copy, through L1 at 0.91-0.92x (when rows of a CTA
+// still cached their params, see launch_caching).
 template <int NV, int VEC, typename T, typename Col, int kStride>
 __device__ __forceinline__ void cache_param(Packed<T, VEC>* slots, int stride, const T* param,
                                             float absent, const StepCursor<Col, kStride>& at,
@@ -667,12 +668,15 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
-// launch_row_kernel() for rows that belong to a CTA or a cluster, with the first kCached (at
-// most) of the op's params cached: as many as there are up to the last one given, and as fit
-// in shared memory without fewer CTAs resident than with none (with fewer, less of the rows is
-// in flight: H100, fp32 LayerNorm at N = 262144 with weight and bias cached ran one CTA per SM
-// and at 0.39x of a copy, 0.59x with neither). Rows of a warp or less do not cache: their
-// params stay in L1, and with them cached fp32 LayerNorm at N = 256-1024 ran 2-3% slower.
+// launch_row_kernel() for rows that belong to a cluster (of one CTA or more), with the first
+// kCached (at most) of the op's params cached: as many as there are up to the last one given,
+// and as fit in shared memory without fewer CTAs resident than with none (with fewer, less of
+// the rows is in flight: H100, fp32 LayerNorm at N = 262144 with weight and bias cached ran
+// one CTA per SM and at 0.39x of a copy, 0.59x with neither). Shorter rows do not cache: their
+// params stay in L1, and a CTA that caches strides over the rows (launch_row_kernel). With
+// them cached fp32 LayerNorm at N = 256-1024 ran 2-3% slower; at N = 2048-4096 a CTA per row
+// reading its params from L1 ran at 0.97-0.99x of a copy (fp32) and 0.96-0.97x (bf16),
+// cached 0.89x and 0.91-0.93x.
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached = Op::kParams>
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int threads,
                            int cluster, int device, int sm_count, cudaStream_t stream) {
@@ -766,8 +770,8 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   constexpr int kCtaRowNV = Op::template kCtaRowRegs<T> / VEC;
   if (vecs <= int64_t{kMaxThreads} * kCtaRowNV) {  // a CTA per row, as many threads as it takes
     const int threads = static_cast<int>(round_up(ceil_div(vecs, kCtaRowNV), kWarpSize));
-    return launch_caching<Op, T, VEC, kCtaRowNV, RowPath::kResident>(x, layout, op, threads, 1,
-                                                                     device, dev.sm_count, stream);
+    return launch_row_kernel<Op, T, VEC, kCtaRowNV, RowPath::kResident>(
+        x, layout, op, threads, threads, 1, device, dev.sm_count, stream);
   }
   // A CTA, or on sm_90+ a cluster of up to kMaxCluster CTAs, per row, kCtaNV vectors per
   // thread; streamed when no cluster holds it.
