@@ -568,7 +568,7 @@ inline cudaError_t current_device(int* device, DeviceInfo* info) {
 }
 
 // Dynamic shared memory of a launch of row_kernel: the cached params.
-template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
+template <typename T, int VEC, int NV, int kCached>
 constexpr size_t row_smem_bytes(int threads) {
   return static_cast<size_t>(kCached) * NV * threads * sizeof(Packed<T, VEC>);
 }
@@ -627,7 +627,7 @@ int resident_units(int device, int threads, int cluster, int sm_count) {
     return slot->load(std::memory_order_relaxed) - 1;
   const int units =
       occupancy_units(row_kernel<Op, T, VEC, NV, kPath, kCached>, threads, cluster,
-                      row_smem_bytes<Op, T, VEC, NV, kPath, kCached>(threads), sm_count);
+                      row_smem_bytes<T, VEC, NV, kCached>(threads), sm_count);
   if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
   return units;
 }
@@ -645,15 +645,16 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
                               int cluster, int device, int sm_count, cudaStream_t stream) {
   const int64_t rows_per_cta = tpr > kWarpSize ? 1 : threads / tpr;
   const int64_t row_groups = ceil_div(layout.rows, rows_per_cta);
-  int64_t max_groups = std::numeric_limits<int>::max() / cluster;
-  if (kCached > 0 || cluster > 1)
-    max_groups = std::max(
-        resident_units<Op, T, VEC, NV, kPath, kCached>(device, threads, cluster, sm_count),
-        sm_count / cluster);
+  const int64_t max_groups =
+      kCached > 0 || cluster > 1
+          ? std::max(resident_units<Op, T, VEC, NV, kPath, kCached>(device, threads, cluster,
+                                                                     sm_count),
+                     sm_count / cluster)
+          : std::numeric_limits<int>::max();
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(std::min(row_groups, max_groups) * cluster));
   config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = row_smem_bytes<Op, T, VEC, NV, kPath, kCached>(threads);
+  config.dynamicSmemBytes = row_smem_bytes<T, VEC, NV, kCached>(threads);
   config.stream = stream;
   cudaLaunchAttribute dims;
   dims.id = cudaLaunchAttributeClusterDimension;
@@ -677,24 +678,24 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
 // them cached fp32 LayerNorm at N = 256-1024 ran 2-3% slower; at N = 2048-4096 a CTA per row
 // reading its params from L1 ran at 0.97-0.99x of a copy (fp32) and 0.96-0.97x (bf16),
 // cached 0.89x and 0.91-0.93x.
-template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached = Op::kParams>
-cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int threads,
-                           int cluster, int device, int sm_count, cudaStream_t stream) {
+template <class Op, typename T, int VEC, int NV, int kCached = Op::kParams>
+cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
+                           int sm_count, cudaStream_t stream) {
+  constexpr RowPath kPath = RowPath::kCluster;
   if constexpr (kCached > 0) {
-    const int units =
-        params_to_cache(op.params) >= kCached
-            ? resident_units<Op, T, VEC, NV, kPath, kCached>(device, threads, cluster, sm_count)
-            : 0;
+    const int units = params_to_cache(op.params) >= kCached
+                          ? resident_units<Op, T, VEC, NV, kPath, kCached>(device, kMaxThreads,
+                                                                           cluster, sm_count)
+                          : 0;
     if (units > 0 &&
-        units >= resident_units<Op, T, VEC, NV, kPath, 0>(device, threads, cluster, sm_count))
-      return launch_row_kernel<Op, T, VEC, NV, kPath, kCached>(x, layout, op, threads, threads,
-                                                                cluster, device, sm_count,
-                                                                stream);
-    return launch_caching<Op, T, VEC, NV, kPath, kCached - 1>(x, layout, op, threads, cluster,
-                                                              device, sm_count, stream);
+        units >= resident_units<Op, T, VEC, NV, kPath, 0>(device, kMaxThreads, cluster, sm_count))
+      return launch_row_kernel<Op, T, VEC, NV, kPath, kCached>(
+          x, layout, op, kMaxThreads, kMaxThreads, cluster, device, sm_count, stream);
+    return launch_caching<Op, T, VEC, NV, kCached - 1>(x, layout, op, cluster, device, sm_count,
+                                                       stream);
   } else {
-    return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, threads, threads, cluster,
-                                                    device, sm_count, stream);
+    return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,
+                                                    cluster, device, sm_count, stream);
   }
 }
 
@@ -785,8 +786,7 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
     return launch_row_kernel<Op, T, VEC, kStreamRegs / VEC, RowPath::kStream>(
         x, layout, op, kMaxThreads, kMaxThreads, 1, device, dev.sm_count, stream);
   }
-  return launch_caching<Op, T, VEC, kCtaNV, RowPath::kCluster>(x, layout, op, kMaxThreads, cluster,
-                                                               device, dev.sm_count, stream);
+  return launch_caching<Op, T, VEC, kCtaNV>(x, layout, op, cluster, device, dev.sm_count, stream);
 }
 
 }  // namespace mti
