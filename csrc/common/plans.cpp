@@ -509,17 +509,21 @@ const char* square_matmul_with_workspace(const at::Tensor& x, const MatmulPlan& 
     return nullptr;
   }
 
+  // Every matrix for_each_matrix hands out has the same rows, so one balanced chunk height
+  // serves them all; the workspace holds that, not the schedule's most (an output of 1.5
+  // chunks would otherwise take 2 full buffers, more than the output itself).
+  const int64_t matrix_rows = plan.x.row.ndim == 0 ? 1 : plan.x.row.sizes[plan.x.row.ndim - 1];
+  const int64_t chunk = balanced_chunk_rows(matrix_rows, sched.rows);
   at::Tensor ws;
   try {
     // One allocation per call, from the caching allocator, so it counts in the allocator's
     // peak statistics like any other tensor.
-    ws = at::empty({sched.buffers, sched.rows, k}, x.options());
+    ws = at::empty({sched.buffers, chunk, k}, x.options());
   } catch (const c10::OutOfMemoryError&) {
     return "the workspace could not be allocated";
   }
   int64_t chunk_index = 0;
   const auto run_chunks = [&](int64_t offset, int64_t block_rows, int64_t ld) {
-    const int64_t chunk = balanced_chunk_rows(block_rows, sched.rows);
     for (int64_t r0 = 0; r0 < block_rows; r0 += chunk, ++chunk_index) {
       const int64_t r = std::min(chunk, block_rows - r0);
       const int buffer = static_cast<int>(chunk_index % sched.buffers);
