@@ -117,7 +117,8 @@ class Site:
     shape: tuple[int, ...]  # output shape (size hints for dynamic dims)
     dtype: torch.dtype
     # Bytes of the output the original op allocated, which it no longer does. A square
-    # matmul borrows up to the workspace limit (mti.set_workspace_limit) while it runs,
+    # matmul borrows up to the workspace limit (mti.set_workspace_limit) while it runs (and
+    # runs out of place, saving nothing, where its output fits within the limit),
     # attention_in_pieces as much for its scores (at least one matrix) and allocates the
     # product of probs @ v (unless that goes over the scores), and matmul_over_left a piece of
     # its product (_OVER_LEFT_PIECE_BYTES, at least one matrix), so their net saving is
@@ -201,6 +202,27 @@ def matmul_over_left(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         i1 = min(i0 + step, count)
         out[i0:i1].copy_(torch.bmm(a3[i0:i1], b3[i0:i1]))
     return out.view(*batch, m, n)
+
+
+def square_matmul_over_dead(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    transpose: bool = False,
+) -> torch.Tensor:
+    """x @ weight (+ bias; x @ weight.T with transpose, F.linear's layout) for an x that nothing
+    reads afterwards: square_matmul_ over x where that allocates less than the out-of-place
+    product, else the out-of-place product. square_matmul_ computes chunks of rows into at
+    most the workspace limit and copies each back; an output within the limit is one chunk,
+    for which it allocates the whole output as the out-of-place op does, and adds a copy (a
+    launch, and ~10 us of host time that a small model's forward, bound by its host time,
+    pays in full) for nothing.
+    """
+    if x.numel() * x.element_size() > ops.get_workspace_limit():
+        return ops.square_matmul_(x, weight, bias, transpose=transpose)
+    if transpose:
+        return F.linear(x, weight, bias)
+    return torch.matmul(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
 def attention_in_pieces(
@@ -571,7 +593,8 @@ class _Rewriter:
             and self.live.dead_after(x, pos)
             and self.live.disjoint(x, params)
         ):
-            self._replace(node, fn, (x, weight, bias), {}, x)
+            self._replace(node, square_matmul_over_dead, (x, weight, bias, family == "linear"),
+                          {}, x)
             self._site(fn, [family], node, node)
 
     def _over_left_ok(self, node, a, b) -> bool:

@@ -5,11 +5,12 @@ rewrite exactly the sites where the overwritten tensor is dead."""
 import contextlib
 import copy
 import importlib
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -300,6 +301,40 @@ def test_pre_norm_block_attention_in_pieces(device, limit):
     assert site.shape == (2, HEADS, 32, 32)
     assert site.pattern == "matmul -> softmax_ -> matmul (over the scores when in one piece)"
     assert "matmul_over_left" not in ops_of(converted)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    batch=lead_shapes(max_dims=2, max_size=3),
+    k=st.integers(1, 12),
+    form=st.sampled_from(["linear", "matmul", "addmm"]),
+    x_bytes_over_limit=st.booleans(),
+    seed=seeds,
+)
+def test_square_matmul_over_dead(batch, k, form, x_bytes_over_limit, seed):
+    """A dead x's square product is written over x where x is larger than the workspace
+    limit, and allocated afresh (as the original op does) where it fits: equal to the
+    original op within its error either way."""
+    if form == "addmm":  # addmm's x is a matrix
+        batch = [math.prod(batch)]
+    x = randn((*batch, k), torch.float32, "cpu", seed)
+    assume(x.numel() > 0)
+    weight = randn((k, k), torch.float32, "cpu", seed + 1, scale=k**-0.5)
+    bias = None if form == "matmul" else randn((k,), torch.float32, "cpu", seed + 2)
+    original = {
+        "linear": lambda x, w, b: F.linear(x, w, b),
+        "matmul": lambda x, w, b: torch.matmul(x, w),
+        "addmm": lambda x, w, b: torch.addmm(b, x, w),
+    }[form]
+    ref64 = original(x.double(), weight.double(), None if bias is None else bias.double())
+    expected = original(x, weight, bias)
+    x_bytes = x.numel() * x.element_size()
+    limit = x_bytes - 1 if x_bytes_over_limit else x_bytes
+    convert_module = importlib.import_module("make_torch_inplace.convert")
+    with mti.workspace_limit(limit):
+        out = convert_module.square_matmul_over_dead(x, weight, bias, form == "linear")
+    assert_accurate(out, expected, ref64)
+    assert (out.data_ptr() == x.data_ptr()) == x_bytes_over_limit
 
 
 @settings(max_examples=examples(40), deadline=None)
