@@ -125,22 +125,13 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
       // the __expf loop (without one, -inf is only the padding of a row's last chunk).
       // v + v * 0 is v, but NaN for -inf, and fminf skips NaN: one FMA per element (a
       // compare and select made the bf16 bool-mask kernel spill on sm_90).
-      const auto min_of = [&](bool skip_masked) {
-        return fold<NV * VEC>(
-            [&](int i) {
-              const float v = z[i / VEC][i % VEC];
-              return skip_masked ? __fmaf_rn(v, 0.f, v) : v;
-            },
-            Min{});
-      };
-      float lo = min_of(kMask != MaskKind::kNone);
-      // Without a mask, -inf pads a row's last chunk and every chunk of a causal row past its
-      // limit: only those chunks pay for a second min, without the padding (a causal 16-bit
-      // row otherwise took the __expf loop nearly everywhere: 1.08-1.13x the plain op's time
-      // on an H100 at b767893).
-      if (kMask == MaskKind::kNone && lo == -INFINITY) lo = min_of(true);
-      // NaN: the chunk is all -inf (or NaN), which both paths map alike.
-      if (!((lo - ms) * kLog2e < -126.f))
+      const float lo = fold<NV * VEC>(
+          [&](int i) {
+            const float v = z[i / VEC][i % VEC];
+            return kMask == MaskKind::kNone ? v : __fmaf_rn(v, 0.f, v);
+          },
+          Min{});
+      if ((lo - ms) * kLog2e >= -126.f)
         return {m, exp_sum(z, ms, [](float d) { return ex2_ftz(d * kLog2e); })};
     }
     return {m, exp_sum(z, ms, [](float d) { return exp_for<T>(d); })};
