@@ -21,7 +21,9 @@ Writes benchmarks/results/e2e.json, e2e.md, e2e_peak.png, e2e_latency.png.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import make_torch_inplace as mti  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    DEFAULT_REP_MS,
     best_device,
     env_info,
     fmt_bytes,
@@ -154,11 +157,23 @@ def make_inputs(name: str, batch: int, seq: int, size: Size, device, dtype) -> t
 # --------------------------------------------------------------------------- measuring
 
 
-def measure(fn: Callable[[], torch.Tensor], device) -> tuple[torch.Tensor, float, int]:
-    out = fn()  # compiles (converted models) outside the measurements
-    peak = peak_extra_bytes(fn, device=device)
-    ms = time_ms(fn, device=device)
-    return out, ms, peak
+# Timing rounds per case: the model as is and converted take turns, each round a time_ms of
+# each. A model this small at batch 1 is bound by its host time, and that followed the host's
+# speed on the H100 machines here, which drifted between consecutive measurements by up to
+# 1.5x; taking turns exposes both variants to the same drift, and the median over the rounds
+# drops the rounds it hit.
+ROUNDS = 5
+
+
+def measure_pair(fns: list[Callable[[], torch.Tensor]], device) -> list[tuple]:
+    """(output, median ms, peak bytes) of each fn, timed in ROUNDS alternating rounds."""
+    outs = [fn() for fn in fns]  # compiles (converted models) outside the measurements
+    peaks = [peak_extra_bytes(fn, device=device) for fn in fns]
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(ROUNDS):
+        for fn, ts in zip(fns, times):
+            ts.append(time_ms(fn, device=device, warmup_ms=5.0, rep_ms=DEFAULT_REP_MS / ROUNDS))
+    return [(out, statistics.median(ts), peak) for out, ts, peak in zip(outs, times, peaks)]
 
 
 def run_model(name: str, seqs: list[int], size: Size, device, dtype, env) -> list[dict]:
@@ -170,16 +185,16 @@ def run_model(name: str, seqs: list[int], size: Size, device, dtype, env) -> lis
         cases += [(EXTRA_BATCH, s) for s in seqs if s <= EXTRA_BATCH_MAX_SEQ]
         for batch, seq in cases:
             inputs = make_inputs(name, batch, seq, size, device, dtype)
-            base = None
-            for variant, module in ((attn, model), (f"{attn}+convert", converted)):
+            variants = ((attn, model), (f"{attn}+convert", converted))
 
-                def fn(module=module, inputs=inputs):
-                    with torch.inference_mode():
-                        return module(*inputs)
+            def call(module, inputs=inputs):
+                with torch.inference_mode():
+                    return module(*inputs)
 
-                out, ms, peak = measure(fn, device)
-                diff = 0.0 if base is None else (out.float() - base.float()).abs().max().item()
-                base = out if base is None else base
+            results = measure_pair([functools.partial(call, m) for _, m in variants], device)
+            base = results[0][0]
+            for (variant, _), (out, ms, peak) in zip(variants, results):
+                diff = (out.float() - base.float()).abs().max().item()
                 rec = dict(
                     bench="e2e", model=name, variant=variant, seq=seq, batch=batch,
                     dtype=str(dtype).removeprefix("torch."), ms=ms, peak_bytes=peak,
@@ -191,7 +206,7 @@ def run_model(name: str, seqs: list[int], size: Size, device, dtype, env) -> lis
                     f"peak {fmt_bytes(peak):>10s}  max|diff| {diff:.3g}",
                     flush=True,
                 )
-                del out
+            del results, out
             del base, inputs
         del model, converted
         gc.collect()
