@@ -350,18 +350,21 @@ __device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], 
   return op.local(z, rc, [&](int k, int j) { return kFull || j < in_row[k]; });
 }
 
-template <int NV, int VEC, class Op, class Src, typename Col, int kStride>
+// kPerWarp: the full or general path is chosen for the whole warp. Lanes that disagreed would
+// run both unrolled paths one after the other, and the general one is right for full steps
+// too. Lanes of causal rows (load_end at the row's limit) disagree in most warps: on an H100,
+// 16-bit causal softmax took 1.07-1.13x the plain op's time at N = 256-8192 with a branch per
+// lane, 1.03-1.07x with the vote (1.02-1.05x with softmax's exp loop chosen per warp too).
+// The vote costs a register, which the cluster kernels, at their limit, spill (fp32 softmax
+// with a float mask on sm_86/sm_89); their causal rows are long runs of full steps anyway.
+template <bool kPerWarp, int NV, int VEC, class Op, class Src, typename Col, int kStride>
 __device__ __forceinline__ typename Op::State read_step(float (&z)[NV][VEC], const Op& op,
                                                         const Src& src,
                                                         const typename Op::Row& rc,
                                                         const StepCursor<Col, kStride>& at,
                                                         Col load_end, Col end) {
-  // Decided for the whole warp: lanes that disagreed would run both unrolled paths one after
-  // the other, and the general one is right for full steps too. Lanes of causal rows
-  // (load_end at the row's limit) disagree in most warps: on an H100, 16-bit causal softmax
-  // took 1.07-1.13x the plain op's time at N = 256-8192 with a branch per lane, 1.03-1.07x
-  // with this vote (and 1.02-1.05x with softmax's exp loop chosen per warp too).
-  if (__all_sync(__activemask(), at.col(NV - 1, VEC) + VEC <= load_end))
+  const bool full = at.col(NV - 1, VEC) + VEC <= load_end;
+  if (kPerWarp ? __all_sync(__activemask(), full) : full)
     return read_vectors<true>(z, op, src, rc, at, load_end, end);
   return read_vectors<false>(z, op, src, rc, at, load_end, end);
 }
@@ -450,6 +453,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
   // One name and type for every instantiation's dynamic shared memory, as CUDA requires.
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
+  constexpr bool kPerWarp = kPath != RowPath::kCluster;  // see read_step
   const bool cta_rows = kPath == RowPath::kCluster || tpr > kWarpSize;
   const int rank = static_cast<int>(blockIdx.x) % cluster;
   const int lane_group = cta_rows ? static_cast<int>(blockDim.x) : tpr;
@@ -498,12 +502,12 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
       mine = State::identity();
       const Col steps = ceil_div(ceil_div(load_end, VEC), step_vecs);
       for (Col s = 0; s < steps; ++s) {
-        const State chunk = read_step(z, op, from_global, rc,
+        const State chunk = read_step<kPerWarp>(z, op, from_global, rc,
                                       Cursor{s * step_vecs + t, lane_group}, load_end, end);
         mine = s == 0 ? chunk : State::combine(mine, chunk);
       }
     } else {
-      mine = read_step(z, op, from_global, rc, Cursor{t, lane_group}, load_end, end);
+      mine = read_step<kPerWarp>(z, op, from_global, rc, Cursor{t, lane_group}, load_end, end);
     }
 
     State total = warp_allreduce(mine, cta_rows ? kWarpSize : tpr);
@@ -518,7 +522,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
       const Col steps = ceil_div(ceil_div(end, VEC), step_vecs);
       for (Col s = 0; s < steps; ++s) {
         const Cursor at{s * step_vecs + t, lane_group};
-        const State chunk = read_step(z, op, from_global, rc, at, load_end, end);
+        const State chunk = read_step<kPerWarp>(z, op, from_global, rc, at, load_end, end);
         write_step(z, op, op.out(fin, chunk), params, row, at, col_stride, end);
       }
     } else {
