@@ -41,6 +41,12 @@ __device__ __forceinline__ S warp_allreduce(S s, int width) {
   return s;
 }
 
+// Whether `p` holds in every lane of the warp, to pick one of several paths that are all
+// correct and differ only in speed: lanes that disagreed would run each path they took one
+// after the other. The vote is over the active lanes (__activemask), so it needs no lane to be
+// anywhere in particular.
+__device__ __forceinline__ bool warp_all(bool p) { return __all_sync(__activemask(), p); }
+
 // Reduces the per-warp totals of the rows of a CTA, each row held by `row_warps` consecutive
 // warps from `first_warp` on (by default the whole CTA holds one row); every thread must call
 // it with its warp's total and gets its row's total. `buf` (kMaxWarps states) must not be in

@@ -364,7 +364,7 @@ __device__ __forceinline__ typename Op::State read_step(float (&z)[NV][VEC], con
                                                         const StepCursor<Col, kStride>& at,
                                                         Col load_end, Col end) {
   const bool full = at.col(NV - 1, VEC) + VEC <= load_end;
-  if (kPerWarp ? __all_sync(__activemask(), full) : full)
+  if (kPerWarp ? warp_all(full) : full)
     return read_vectors<true>(z, op, src, rc, at, load_end, end);
   return read_vectors<false>(z, op, src, rc, at, load_end, end);
 }

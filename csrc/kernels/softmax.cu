@@ -131,9 +131,8 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
             return kMask == MaskKind::kNone ? v : __fmaf_rn(v, 0.f, v);
           },
           Min{});
-      // Chosen for the whole warp (the bits are the same either way): lanes that disagreed
-      // would run both loops.
-      if (__all_sync(__activemask(), (lo - ms) * kLog2e >= -126.f))
+      // Chosen for the whole warp: the bits are the same either way.
+      if (warp_all((lo - ms) * kLog2e >= -126.f))
         return {m, exp_sum(z, ms, [](float d) { return ex2_ftz(d * kLog2e); })};
     }
     return {m, exp_sum(z, ms, [](float d) { return exp_for<T>(d); })};
