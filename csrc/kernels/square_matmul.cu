@@ -420,6 +420,7 @@ struct StreamTile {
   static constexpr int kBlocksPerSm = 1;
   static constexpr int kStages = mti::kStages;
   static constexpr int kMaxCluster = 8;  // the largest cluster every sm_90 part schedules
+  static constexpr bool kMulticastX = false;  // every block loads all of each x tile
   static constexpr int kSmemSlack = 0;   // bytes of dynamic shared memory spent on alignment
   static_assert(X_TILE / 8 % THREADS == 0, "whole 16-byte chunks of x per thread");
   static_assert(kStages * STAGE >= BM * LAST_LD, "the last tile parks in the stages");
@@ -669,22 +670,28 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
 // Warpgroup streaming kernel (fp16/bf16, sm_90a builds on sm_90): the streaming kernel's
 // scheme (a cluster shares a row block of BM rows; each block computes its column tiles, parks
 // them on chip and writes them over x after a cluster barrier) on Hopper's warpgroup MMA
-// (kernels/wgmma.cuh). Two warpgroups each accumulate a 64 x 256 fp32 tile from operands in
-// shared memory; a k step of 64 (one 128-byte swizzled row of x and W per row) is four
-// m64n256k16 MMAs per warpgroup. cp.async fills kStages such steps ahead (x and W both from
-// L2), and each step's copies are issued while its MMAs run. Column tiles of BN = 256, so
-// K = 4096 takes a cluster of 8 blocks of two tiles (or 16 of one); K = 8192 one of 16 blocks
-// of two (the H100 schedules 16, not every sm_90 part: there no plan fits and the mma.sync
-// kernels run). H100, bf16, M = 16384, against cuBLAS's out-of-place GEMM: 0.48-0.60x of
-// its speed at K = 1024-8192, where the mma.sync kernel reached 0.29-0.43x; a step takes
-// ~1.3 us against ~0.55 us of MMA work, with 48 KB of x and W per step and block coming
-// from L2 (no multicast across the cluster, whose blocks all read the same x tiles).
+// (kernels/wgmma.cuh), fed by the TMA. A k step of 32 (one 64-byte swizzled row of x and W
+// per row) is two m64n256k16 MMAs for each of two consumer warpgroups, each accumulating a
+// 64 x 256 fp32 tile; a producer warp issues the loads kStages steps ahead, and mbarriers say
+// when a stage is full (its bytes landed) and when it is empty (every block that wrote into it
+// has had its MMAs finish reading it). Every block of a cluster needs the same x tiles, so each
+// loads BM / cluster rows of a tile and multicasts them to all: L2 serves x once per cluster,
+// not once per block. The loads in flight hide L2's latency: steps of 32 rather than 64 k
+// (24 KB, not 48) fit twice as many stages beside the parked tiles, so that more than one
+// step's loads are under way while the MMAs run (with 3 stages of 64, the H100 spent ~1.4 us a
+// step on ~0.55 us of MMA work). So that every block waits for the same x tiles, all blocks
+// of a cluster walk tpc column tiles; a block with fewer (the last, when the tiles do not
+// split evenly) consumes the x tiles of the missing ones without MMAs.
+// Column tiles of BN = 256, so K = 4096 takes a cluster of 8 blocks of two tiles (or 16 of
+// one); K = 8192 one of 16 blocks of two (the H100 schedules 16, not every sm_90 part: there
+// no plan fits and the mma.sync kernels run). x's rows must be evenly spaced (one tensor map).
 template <int STAGES>
 struct WgmmaTile {
   static constexpr int BM = 128;
   static constexpr int BN = 256;
-  static constexpr int BK = 64;  // 128 bytes of a 16-bit row: one swizzle row
-  static constexpr int THREADS = 256;
+  static constexpr int BK = kSwizzleBytes / 2;  // one swizzle row of 16-bit elements
+  static constexpr int kConsumers = 2;  // warpgroups of MMAs, 64 rows each
+  static constexpr int THREADS = 128 * (kConsumers + 1);
   static constexpr int kStages = STAGES;
   static constexpr int A_BYTES = BM * BK * 2;
   static constexpr int STAGE = BM * BK + BK * BN;  // elements
@@ -692,146 +699,173 @@ struct WgmmaTile {
   static constexpr int LAST_LD = BN + kOutPad;
   static constexpr int kBlocksPerSm = 1;
   static constexpr int kMaxCluster = 16;
-  static constexpr int kSmemSlack = 1024;  // the stages start 1024-byte aligned (swizzle)
+  // x tiles are split among the cluster's blocks in whole 8-row swizzle atoms (512 bytes,
+  // which keeps every piece aligned as the swizzle needs).
+  static constexpr bool kMulticastX = true;
+  // The stages start 1024-byte aligned (swizzle); a full and an empty barrier per stage.
+  static constexpr int kSmemSlack = 1024 + 2 * kStages * 8;
+  // The producer warpgroup needs few registers; the two MMA warpgroups take what it gives up
+  // (2 x 128 x 232 + 128 x 40 <= 65536).
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
   static_assert(kStages * STAGE >= BM * LAST_LD, "the last tile parks in the stages");
-  static_assert(A_BYTES % 1024 == 0, "W's tiles start 1024-byte aligned too");
+  static_assert(A_BYTES % 1024 == 0 && STAGE * 2 % 1024 == 0, "tiles stay 1024-byte aligned");
+};
+
+// The tensor maps of a launch: x's rows (box BK columns x BM / cluster rows) and W (box
+// BK x BN of W's rows j when transposed, else BK-row by BK-column boxes), 64-byte swizzled.
+struct TmaMaps {
+  CUtensorMap x;
+  CUtensorMap w;
 };
 
 template <typename T, bool TRANS, class Tile>
-__device__ __forceinline__ void wgmma_body(const Args<T>& a) {
+__device__ __forceinline__ void wgmma_body(const Args<T>& a, const TmaMaps& maps) {
   constexpr int BM = Tile::BM, BN = Tile::BN, BK = Tile::BK, THREADS = Tile::THREADS;
   constexpr int S = Tile::kStages;
   constexpr uint32_t STAGE_BYTES = Tile::STAGE * sizeof(T);
+  constexpr uint32_t W_BYTES = BK * BN * sizeof(T);
   static_assert(sizeof(T) == 2, "16-bit operands");
 
-  // [stages][parked tiles but the last][row offsets], the stages 1024-byte aligned.
+  // [stages][parked tiles but the last][row offsets][full barriers][empty barriers], the
+  // stages 1024-byte aligned.
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* const base = smem + (1024 - smem_u32(smem) % 1024) % 1024;
   T* const stages = reinterpret_cast<T*>(base);
   T* const outs = stages + S * Tile::STAGE;
   const int out_ld = (a.col_tiles_per_block - 1) * BN + Tile::kOutPad;
   int64_t* const row_off = reinterpret_cast<int64_t*>(outs + BM * out_ld);
+  const uint32_t full0 = smem_u32(row_off + BM), empty0 = full0 + 8 * S;
 
   const int rank = blockIdx.x % a.cluster;
-  const int64_t row0 = (a.first_block + blockIdx.x / a.cluster) * BM;
+  const int block = blockIdx.x / a.cluster;  // row block within this launch (the maps' rows)
+  const int64_t row0 = (a.first_block + block) * BM;
   const int nrows = static_cast<int>(min(static_cast<int64_t>(BM), a.rows - row0));
   const int col_tiles = (a.k + BN - 1) / BN;
   const int ct_begin = rank * a.col_tiles_per_block;  // < col_tiles: no block is left empty
   const int ct_end = min(col_tiles, ct_begin + a.col_tiles_per_block);
   const int k_tiles = (a.k + BK - 1) / BK;
-  const int tiles = (ct_end - ct_begin) * k_tiles;
-
-  for (int i = threadIdx.x; i < BM; i += THREADS)
-    row_off[i] = i < nrows ? a.row.offset(row0 + i) : 0;
-  __syncthreads();
-
-  // Copies of step t (x columns [k0, k0 + BK), output columns [j0, j0 + BN)) into stage t % S.
-  // x: rows r = tid / 8 + 32 i, chunk tid % 8. W, transposed ([j][k], K-major like x): rows
-  // j0 + tid / 8 + 32 i, chunk tid % 8. W as is ([k][j], MN-major): four 64-column blocks of
-  // BK rows, row k0 + tid / 32 + 8 i, chunk tid % 32 (block chunk / 8). Zeros past K and
-  // past the last row.
-  constexpr int X_COPIES = BM * BK / 8 / THREADS, W_COPIES = BK * BN / 8 / THREADS;
+  const int steps = a.col_tiles_per_block * k_tiles;  // the same in every block of the cluster
+  const int real_steps = (ct_end - ct_begin) * k_tiles;
   const int tid = static_cast<int>(threadIdx.x);
-  const T* xsrc[X_COPIES];
-#pragma unroll
-  for (int i = 0; i < X_COPIES; ++i) {
-    const int r = tid / 8 + 32 * i;
-    xsrc[i] = r < nrows ? a.x + row_off[r] + tid % 8 * 8 : nullptr;
-  }
-  auto load_step = [&](int t) {
-    const int j0 = (ct_begin + t / k_tiles) * BN, k0 = t % k_tiles * BK;
-    unsigned char* const st = base + t % S * STAGE_BYTES;
-#pragma unroll
-    for (int i = 0; i < X_COPIES; ++i) {
-      const bool in = xsrc[i] != nullptr && k0 + tid % 8 * 8 < a.k;
-      copy16(st + swizzle128(tid / 8 + 32 * i, tid % 8 * 16), in ? xsrc[i] + k0 : a.w, in);
+
+  for (int i = tid; i < BM; i += THREADS) row_off[i] = i < nrows ? a.row.offset(row0 + i) : 0;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full0 + 8 * s, 1);  // the producer's arrive; the bytes from the TMA
+      mbar_init(empty0 + 8 * s, Tile::kConsumers * a.cluster);
     }
-    unsigned char* const wt = st + Tile::A_BYTES;
+    mbar_init_fence();
+  }
+  // No block loads into, or arrives on, another's barriers before they are initialised.
+  cluster_sync();
+
+  const int wg = tid / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<Tile::kProducerRegs>();
+    if (tid == 0) {
+      const int slice = BM / a.cluster;  // rows of each x tile this block loads for all
+      const uint16_t all = static_cast<uint16_t>((1u << a.cluster) - 1);
+      for (int t = 0; t < steps; ++t) {
+        const int s = t % S;
+        const uint32_t full = full0 + 8 * s, st = smem_u32(base) + s * STAGE_BYTES;
+        mbar_wait(empty0 + 8 * s, (t / S & 1) ^ 1);
+        const bool real = t < real_steps;
+        mbar_arrive_expect_tx(full, real ? STAGE_BYTES : STAGE_BYTES - W_BYTES);
+        const int k0 = t % k_tiles * BK, j0 = (ct_begin + t / k_tiles) * BN;
+        const uint32_t piece = st + rank * slice * kSwizzleBytes;
+        const int r0 = block * BM + rank * slice;
+        if (a.cluster > 1)
+          tma_load_2d_multicast(piece, &maps.x, k0, r0, full, all);
+        else
+          tma_load_2d(piece, &maps.x, k0, r0, full);
+        if (!real) continue;
+        const uint32_t wt = st + Tile::A_BYTES;
+        if constexpr (TRANS) {
+          tma_load_2d(wt, &maps.w, k0, j0, full);
+        } else {
 #pragma unroll
-    for (int i = 0; i < W_COPIES; ++i) {
-      if constexpr (TRANS) {
-        const int n = tid / 8 + 32 * i, j = j0 + n, k = k0 + tid % 8 * 8;
-        const bool in = j < a.k && k < a.k;
-        copy16(wt + swizzle128(n, tid % 8 * 16), in ? a.w + int64_t{j} * a.k + k : a.w, in);
+          for (int b = 0; b < BN / BK; ++b)
+            tma_load_2d(wt + b * BK * kSwizzleBytes, &maps.w, j0 + BK * b, k0, full);
+        }
+      }
+    }
+    __syncwarp();  // lane 0 rejoins its warp before the (warp-aligned) cluster barrier
+  } else {
+    setmaxnreg_inc<Tile::kConsumerRegs>();
+    // Consumer warpgroup c owns rows [64 c, 64 c + 64); see wgmma_m64n256k16 for its thread's
+    // values. Thread i < cluster of the warpgroup frees a stage in block i.
+    const int c = wg - 1, lane = tid % 32, in_wg = tid % 128;
+    const int m = c * 64 + in_wg / 32 * 16 + lane / 4;
+    auto release = [&](int t) {
+      if (in_wg < a.cluster) mbar_arrive_cluster(empty0 + 8 * (t % S), in_wg);
+    };
+    float acc[128];
+    // Parks the finished tile of output columns [j0, j0 + BN) at dst (pitch ld).
+    auto park = [&](T* dst, int ld, int j0) {
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+        const int col = 8 * i + 2 * (lane % 4), j = j0 + col;  // K is even: j + 1 < K too
+        float b0 = 0.f, b1 = 0.f;
+        if (a.bias && j < a.k) {
+          b0 = to_float(__ldg(a.bias + j));
+          b1 = to_float(__ldg(a.bias + j + 1));
+        }
+        *reinterpret_cast<uint32_t*>(dst + m * ld + col) =
+            pack2<T>(acc[4 * i] + b0, acc[4 * i + 1] + b1);
+        *reinterpret_cast<uint32_t*>(dst + (m + 8) * ld + col) =
+            pack2<T>(acc[4 * i + 2] + b0, acc[4 * i + 3] + b1);
+      }
+    };
+    // One group of MMAs stays in flight: step t's stage is freed once step t + 1's MMAs are
+    // issued and t's have finished, or at once at the end of a column tile.
+    const uint32_t stages_addr = smem_u32(stages);
+    for (int t = 0; t < steps; ++t) {
+      mbar_wait(full0 + 8 * (t % S), t / S & 1);
+      if (t >= real_steps) {  // an x tile of a column tile this block does not have
+        release(t);
+        continue;
+      }
+      const int kt = t % k_tiles;
+      const uint32_t st = stages_addr + t % S * STAGE_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < BK / 16; ++s) {
+        // k16 step s: 32 bytes into x's (and transposed W's) rows, 16 rows into W's.
+        constexpr int RB = kSwizzleBytes, ATOM = 8 * kSwizzleBytes;
+        const uint64_t da = smem_desc(st + c * 64 * RB + s * 32, 16, ATOM);
+        const uint64_t db = TRANS ? smem_desc(st + Tile::A_BYTES + s * 32, 16, ATOM)
+                                  : smem_desc(st + Tile::A_BYTES + s * 16 * RB, BK * RB, ATOM);
+        wgmma_m64n256k16<T, !TRANS>(acc, da, db, kt > 0 || s > 0);
+      }
+      wgmma_commit();
+      if (kt == k_tiles - 1) {
+        wgmma_wait<0>();
+        if (kt > 0) release(t - 1);
+        release(t);
+        const int ct = t / k_tiles;  // column tile within the block
+        if (t + 1 < real_steps) park(outs + ct * BN, out_ld, (ct_begin + ct) * BN);
       } else {
-        const int kr = tid / 32 + 8 * i, k = k0 + kr, j = j0 + tid % 32 * 8;
-        const bool in = k < a.k && j < a.k;
-        copy16(wt + tid % 32 / 8 * (BK * 128) + swizzle128(kr, tid % 8 * 16),
-               in ? a.w + int64_t{k} * a.k + j : a.w, in);
+        wgmma_wait<1>();
+        if (kt > 0) release(t - 1);
       }
     }
-  };
-#pragma unroll
-  for (int t = 0; t < S - 1; ++t) {
-    if (t < tiles) load_step(t);
-    cp_async_commit();
+    // The last tile parks in the stages once both warpgroups are done with them; no block
+    // writes into them any more (every x tile sent here has landed: it was waited for).
+    wgmma_wait<0>();  // done already (the last real step waited), but ptxas cannot tell
+    named_barrier(1, 128 * Tile::kConsumers);
+    park(stages, Tile::LAST_LD, (ct_end - 1) * BN);
   }
-
-  // Warpgroup wg owns rows [64 wg, 64 wg + 64); see wgmma_m64n256k16 for its thread's values.
-  const int wg = tid / 128, lane = tid % 32;
-  const int m = wg * 64 + tid % 128 / 32 * 16 + lane / 4;
-  float acc[128];
-  // Parks the finished tile of output columns [j0, j0 + BN) at dst (pitch ld).
-  auto park = [&](T* dst, int ld, int j0) {
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      const int col = 8 * i + 2 * (lane % 4), j = j0 + col;  // K is even: j + 1 < K too
-      float b0 = 0.f, b1 = 0.f;
-      if (a.bias && j < a.k) {
-        b0 = to_float(__ldg(a.bias + j));
-        b1 = to_float(__ldg(a.bias + j + 1));
-      }
-      *reinterpret_cast<uint32_t*>(dst + m * ld + col) =
-          pack2<T>(acc[4 * i] + b0, acc[4 * i + 1] + b1);
-      *reinterpret_cast<uint32_t*>(dst + (m + 8) * ld + col) =
-          pack2<T>(acc[4 * i + 2] + b0, acc[4 * i + 3] + b1);
-    }
-  };
-
-  // Step t: every thread waits for its copies of t and makes them visible to the MMAs (async
-  // proxy); the barrier then also says that every warpgroup's MMAs of step t - 1 have
-  // finished (each waits for its own below), so stage (t - 1) % S takes step t + S - 1. (Also
-  // leaving one step's MMAs running, with stages reused two steps later, measured the same.)
-  const uint32_t stages_addr = smem_u32(stages);
-  int kt = 0, parked = 0;  // k step of t; column tiles parked so far
-  for (int t = 0; t < tiles; ++t) {
-    cp_async_wait<S - 2>();
-    fence_proxy_async();
-    __syncthreads();
-    const uint32_t st = stages_addr + t % S * STAGE_BYTES;
-    wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < BK / 16; ++s) {
-      // k16 step s: 32 bytes into x's (and transposed W's) rows, 16 rows into W's.
-      const uint64_t da = smem_desc(st + wg * 64 * 128 + s * 32, 16, 1024);
-      const uint64_t db = TRANS ? smem_desc(st + Tile::A_BYTES + s * 32, 16, 1024)
-                                : smem_desc(st + Tile::A_BYTES + s * 16 * 128, BK * 128, 1024);
-      wgmma_m64n256k16<T, !TRANS>(acc, da, db, kt > 0 || s > 0);
-    }
-    wgmma_commit();
-    if (t + S - 1 < tiles) load_step(t + S - 1);
-    cp_async_commit();
-    wgmma_wait<0>();
-    if (++kt == k_tiles) {
-      if (t + 1 < tiles) {
-        park(outs + parked * BN, out_ld, (ct_begin + parked) * BN);
-        ++parked;
-      }
-      kt = 0;
-    }
-  }
-  // The last tile parks in the stages once every warpgroup is done with them.
-  cp_async_wait<0>();
-  __syncthreads();
-  park(stages, Tile::LAST_LD, (ct_end - 1) * BN);
-  write_parked<T, Tile>(a, row_off, nrows, outs, out_ld, stages, ct_begin, ct_end, parked);
+  write_parked<T, Tile>(a, row_off, nrows, outs, out_ld, stages, ct_begin, ct_end,
+                        ct_end - ct_begin - 1);
 }
 
 template <typename T, bool TRANS, class Tile>
 __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
-    wgmma_stream_kernel(const __grid_constant__ Args<T> a) {
+    wgmma_stream_kernel(const __grid_constant__ Args<T> a,
+                        const __grid_constant__ TmaMaps maps) {
 #if MTI_WGMMA
-  wgmma_body<T, TRANS, Tile>(a);
+  wgmma_body<T, TRANS, Tile>(a, maps);
 #else
   __trap();  // the launcher runs it only where has_wgmma() says this build has it
 #endif
@@ -1174,8 +1208,9 @@ cudaError_t launch_family(TileList<Tiles...> tiles, const Args<T>& a, const Devi
 // Streaming kernels: the blocks of a cluster share a row block, so a cluster must fit on the
 // GPU at once (Tile::kMaxCluster).
 using StreamTiles = TileList<StreamTile<4>, StreamTile<2>>;
-// Four stages where they fit beside the parked tiles, else three.
-using WgmmaTiles = TileList<WgmmaTile<4>, WgmmaTile<3>>;
+// Eight stages where they fit beside the parked tiles (one column tile per block), else six
+// (two).
+using WgmmaTiles = TileList<WgmmaTile<8>, WgmmaTile<6>>;
 
 template <typename T, bool TRANS, int MT>
 auto stream_kernel_of(StreamTile<MT>) {
@@ -1263,7 +1298,8 @@ int64_t resident_clusters(int cluster, size_t smem) {
 // 128-column row of MMAs, and these rows are BN = 256 columns wide). Smaller clusters win
 // ties. (H100, bf16, M = 16384: a cluster of 2 blocks of 2 tiles each at K = 1024 ran 25%
 // faster than one of 4 blocks of 1 tile, which takes 5 waves of 30 clusters for 128 row
-// blocks instead of 2 of 66.) Launches whose blocks would not fill half of the
+// blocks instead of 2 of 66.) Where the blocks multicast x (Tile::kMulticastX), each loads
+// BM / cluster rows of it. Launches whose blocks would not fill half of the
 // multiprocessors are left to the staging kernel, which slices the columns finer.
 template <typename T, bool TRANS, class Tile>
 StreamPlan plan_stream(int64_t rows, int k, const DeviceInfo& d) {
@@ -1273,6 +1309,7 @@ StreamPlan plan_stream(int64_t rows, int k, const DeviceInfo& d) {
   for (int cluster = 1; cluster <= std::min(Tile::kMaxCluster, col_tiles); ++cluster) {
     const int tpc = (col_tiles + cluster - 1) / cluster;
     if ((col_tiles + tpc - 1) / tpc != cluster) continue;  // a block would be left empty
+    if (Tile::kMulticastX && Tile::BM / 8 % cluster != 0) continue;  // whole 8-row pieces
     if (2 * row_blocks * cluster < d.num_sms) continue;
     const size_t smem = stream_smem_bytes<Tile>(tpc, sizeof(T));
     if (smem > static_cast<size_t>(d.smem_optin)) continue;
@@ -1280,10 +1317,71 @@ StreamPlan plan_stream(int64_t rows, int k, const DeviceInfo& d) {
     if (resident == 0) continue;
     const int64_t per_sm = std::max<int64_t>(1, ceil_div(resident * cluster, d.num_sms));
     const int64_t waves = ceil_div(row_blocks, resident);
-    const int64_t cost = waves * per_sm * tpc * (Tile::BM + (Tile::BM + Tile::BN) / 8);
+    const int x_rows = Tile::kMulticastX ? Tile::BM / cluster : Tile::BM;  // loaded per block
+    const int64_t cost = waves * per_sm * tpc * (Tile::BM + (x_rows + Tile::BN) / 8);
     if (cost < best.cost) best = {tpc, cluster, cost};
   }
   return best;
+}
+
+// The driver's cuTensorMapEncodeTiled (through the runtime, so nothing links libcuda), or
+// nullptr where the driver lacks it.
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<EncodeTiled>(p);
+  }();
+  return fn;
+}
+
+// A 16-bit matrix of `rows` rows of `cols` elements, rows `pitch` bytes apart, seen in boxes
+// of box_cols x box_rows, swizzled as kSwizzleBytes says; reads past its edges give zeros.
+static_assert(kSwizzleBytes == 64, "encode_map's CU_TENSOR_MAP_SWIZZLE_64B");
+template <typename T>
+bool encode_map(CUtensorMap* map, const T* base, int64_t cols, int64_t rows, int64_t pitch,
+                int box_cols, int box_rows) {
+  static_assert(sizeof(T) == 2, "16-bit operands");
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols),
+                             static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t unit[2] = {1, 1};
+  return encode_tiled()(map,
+                        std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                  : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                        2, const_cast<T*>(base), dims, strides, box, unit,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Whether the warpgroup kernel can describe x by one tensor map: evenly spaced rows (what
+// the layout merged to one leading dim, or a single row) and a driver that encodes maps.
+template <typename T>
+bool tma_ready(const Args<T>& a) {
+  return a.row.ndim <= 1 && encode_tiled() != nullptr;
+}
+
+// The tensor maps of a launch of the warpgroup kernel: x from row row0, `rows` rows.
+template <typename T, bool TRANS, class Tile>
+cudaError_t make_maps(const Args<T>& a, int64_t row0, int64_t rows, int cluster, TmaMaps* m) {
+  const int64_t pitch = (a.row.ndim == 1 ? a.row.strides[0] : a.k) * sizeof(T);
+  const bool ok =
+      encode_map(&m->x, a.x + a.row.offset(row0), a.k, rows, round_up(pitch, 16), Tile::BK,
+                 Tile::BM / cluster) &&
+      encode_map(&m->w, a.w, a.k, a.k, a.k * sizeof(T), Tile::BK, TRANS ? Tile::BN : Tile::BK);
+  return ok ? cudaSuccess : cudaErrorInvalidValue;
 }
 
 // Launches the streaming kernel with plan p (which fits: plan_stream checked).
@@ -1292,8 +1390,11 @@ cudaError_t launch_stream_tile(Args<T> a, const StreamPlan& p, cudaStream_t stre
   a.col_tiles_per_block = p.tpc;
   a.cluster = p.cluster;
   // Blocks blockIdx.x = cluster * b + rank: row block first_block + b, column slice rank.
+  // The warpgroup kernel's tensor-map coordinates (row b * BM + ...) are 32-bit.
   const int64_t row_blocks = (a.rows + Tile::BM - 1) / Tile::BM;
-  const int64_t per_launch = INT_MAX / p.cluster;  // row blocks
+  const int64_t per_launch =
+      Tile::kMulticastX ? std::min(INT_MAX / p.cluster, INT_MAX / Tile::BM - 1)
+                        : INT_MAX / p.cluster;  // row blocks
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
   cudaError_t err = stream_config<T, TRANS, Tile>(stream_smem_bytes<Tile>(p.tpc, sizeof(T)),
@@ -1301,9 +1402,18 @@ cudaError_t launch_stream_tile(Args<T> a, const StreamPlan& p, cudaStream_t stre
   if (err != cudaSuccess) return err;
   for (int64_t first = 0; first < row_blocks; first += per_launch) {
     a.first_block = first;
-    cfg.gridDim =
-        dim3(static_cast<unsigned>(std::min(row_blocks - first, per_launch) * p.cluster));
-    err = cudaLaunchKernelEx(&cfg, stream_kernel_of<T, TRANS>(Tile{}), a);
+    const int64_t blocks = std::min(row_blocks - first, per_launch);
+    cfg.gridDim = dim3(static_cast<unsigned>(blocks * p.cluster));
+    if constexpr (Tile::kMulticastX) {
+      TmaMaps maps;
+      const int64_t row0 = first * Tile::BM;
+      err = make_maps<T, TRANS, Tile>(a, row0, std::min(a.rows - row0, blocks * Tile::BM),
+                                      p.cluster, &maps);
+      if (err == cudaSuccess)
+        err = cudaLaunchKernelEx(&cfg, stream_kernel_of<T, TRANS>(Tile{}), a, maps);
+    } else {
+      err = cudaLaunchKernelEx(&cfg, stream_kernel_of<T, TRANS>(Tile{}), a);
+    }
     if (err != cudaSuccess) return err;
   }
   return cudaGetLastError();
@@ -1378,7 +1488,7 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
   if constexpr (sizeof(T) == 2) {
     if (mma && d.cc >= 90 && a.x_vec && a.w_vec) {
       bool launched = false;
-      if (d.cc == 90 && has_wgmma()) {
+      if (d.cc == 90 && has_wgmma() && tma_ready(a)) {
         err = transpose ? launch_stream<T, true>(WgmmaTiles{}, a, d, stream, &launched)
                         : launch_stream<T, false>(WgmmaTiles{}, a, d, stream, &launched);
         if (err != cudaSuccess || launched) return err;

@@ -1,9 +1,13 @@
 // Hopper warpgroup MMA (wgmma, sm_90a only): the descriptors of operands in shared memory,
-// the m64n256k16 instruction with fp32 accumulators, and the fences around it. Device code
-// here compiles only for an arch-specific target (TORCH_CUDA_ARCH_LIST "9.0a", which defines
-// __CUDA_ARCH_FEAT_SM90_ALL); elsewhere these helpers are empty and never called.
+// the m64n256k16 instruction with fp32 accumulators, and the fences around it; and what feeds
+// it: the tensor memory accelerator's tile loads (TMA, with multicast to a cluster), the
+// mbarriers they complete, and the register split between producer and consumer warpgroups.
+// Device code here compiles only for an arch-specific target (TORCH_CUDA_ARCH_LIST "9.0a",
+// which defines __CUDA_ARCH_FEAT_SM90_ALL); elsewhere these helpers are empty and never
+// called.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -18,32 +22,22 @@ namespace mti {
 #define MTI_WGMMA 0
 #endif
 
-// Operand tiles use the 128-byte swizzle: rows of 128 bytes (64 16-bit elements), the 16-byte
-// chunk c of row r stored at chunk c ^ (r % 8), tiles 1024-byte aligned. Byte offset of
-// element `col` of row `row` in such a tile.
-__host__ __device__ constexpr uint32_t swizzle128(int row, int col_bytes) {
-  return static_cast<uint32_t>(row * 128 + ((((col_bytes >> 4) ^ row) & 7) << 4) +
-                               (col_bytes & 15));
-}
+// Operand tiles use the 64-byte swizzle: rows of 64 bytes (32 16-bit elements), the 16-byte
+// chunk c of row r stored at chunk c ^ (r / 2 % 4), as the TMA writes them
+// (CU_TENSOR_MAP_SWIZZLE_64B); the pattern repeats every 8 rows (512 bytes), from a 512-byte
+// aligned address.
+constexpr int kSwizzleBytes = 64;
 
-// Shared memory matrix descriptor of a 128-byte-swizzled operand at shared address `addr`:
-// `lead` and `stride` are the byte distances that the PTX ISA calls leading and stride
-// dimension offsets. K-major (rows of 64 k): stride = 1024 (from 8 rows to the next 8),
-// lead unused. MN-major (rows of 64 m or n, one per k): lead = from a 64-column block to the
-// next, stride = from 8 k-rows to the next 8.
+// Shared memory matrix descriptor of such an operand at shared address `addr`: `lead` and
+// `stride` are the byte distances that the PTX ISA calls leading and stride dimension offsets.
+// K-major (rows of 32 k): stride = 512 (from 8 rows to the next 8), lead unused. MN-major
+// (rows of 32 m or n, one per k): lead = from a 32-column block to the next, stride = from 8
+// k-rows to the next 8.
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
   return static_cast<uint64_t>((addr >> 4) & 0x3FFF) |
          static_cast<uint64_t>((lead >> 4) & 0x3FFF) << 16 |
          static_cast<uint64_t>((stride >> 4) & 0x3FFF) << 32 |
-         uint64_t{1} << 62;  // layout type: 128-byte swizzle
-}
-
-// Orders this thread's generic-proxy writes to shared memory (cp.async landings included)
-// before the async proxy's reads of it (wgmma operands).
-__device__ __forceinline__ void fence_proxy_async() {
-#if MTI_WGMMA
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
+         uint64_t{2} << 62;  // layout type: 64-byte swizzle
 }
 
 // Before a warpgroup's first wgmma on registers that other instructions wrote or read.
@@ -116,5 +110,116 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
 #endif
 }
 #undef MTI_WGMMA_M64N256K16
+
+// ---------------------------------------------------------------------------------------
+// mbarriers (shared memory, 8 bytes each), addressed by their shared-memory address.
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t arrivals) {
+#if MTI_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+#endif
+}
+
+// Makes the initialised barriers visible to the cluster's other blocks (and to the TMA)
+// before a cluster barrier lets them arrive on them.
+__device__ __forceinline__ void mbar_init_fence() {
+#if MTI_WGMMA
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+// Arrives once and adds `bytes` to the transfers the current phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if MTI_WGMMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+#endif
+}
+
+// Arrives on the barrier at the same shared address in block `cta` of the cluster (this
+// block too). The arrive's default release is at CTA scope: what it orders is this
+// warpgroup's MMAs' reads of the stage, which wgmma_wait has already seen complete; a
+// cluster-scope release would wait for this thread's every earlier write to reach the cluster.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+#if MTI_WGMMA
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+#endif
+}
+
+// Waits until the phase of parity `parity` has completed (parity 1 passes at once on a
+// fresh barrier: its phase 0 is the one in progress).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if MTI_WGMMA
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// TMA: a box of a 2-D tensor map (coordinates innermost first, in elements; zeros where the
+// box leaves the tensor) into shared memory at dst, counted in bytes on barrier bar. The
+// multicast form writes the box at the same offset in every block of the cluster in
+// cta_mask and completes each one's barrier at bar's offset.
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            uint32_t bar) {
+#if MTI_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#endif
+}
+
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map,
+                                                      int c0, int c1, uint32_t bar,
+                                                      uint16_t cta_mask) {
+#if MTI_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
+      : "memory");
+#endif
+}
+
+// Gives up (dec) or claims (inc) registers for the executing warpgroup, so that the MMA
+// warpgroups can hold more than an even share of the register file.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if MTI_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if MTI_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
+// Named barrier `id` (1-15; 0 is __syncthreads) among `threads` threads, a multiple of 32.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 }  // namespace mti
