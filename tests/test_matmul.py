@@ -110,9 +110,11 @@ def test_k_4097(device, dtype, mode):
 # a cluster, 256-column tiles; the warpgroup MMA kernel in sm_90a builds, else mma.sync): M of
 # no tile size, K a multiple of 8 but not of 64 or 256, so the last k step and column tile are
 # part outside W; clusters of 2 to 16 blocks (K = 8192: 16 blocks of 2 tiles each on an H100).
+# K = 744 and 1784 (3 and 7 column tiles) split unevenly over the warpgroup kernel's clusters
+# of 2 and 4 blocks: the last block has a tile fewer and takes the others' x tiles idle.
 @requires_cuda
 @pytest.mark.parametrize("m,k", [(8209, 1000), (8209, 2568), (4100, 1032), (5000, 3080),
-                                 (700, 8192)], ids=str)
+                                 (700, 8192), (8209, 744), (4100, 1784)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_zero_workspace_cluster_shapes(dtype, m, k):
     for transpose in (False, True):
@@ -237,8 +239,9 @@ def test_side_stream_copies_land_before_the_caller_stream_goes_on():
 @pytest.mark.parametrize(
     "rows, k, workspace_bytes",
     [(64, 1024, None),  # one chunk: the GEMM's output, x's size, is all the extra memory
-     (16384, 1024, None),  # pipelined through two buffers within the default 64 MiB
-     (16384, 1024, 3 << 20),  # two buffers of 1 MiB (2 MiB + the allocator's 1 MiB slack)
+     # (K = 2048: at K <= 1024 an H100 takes the zero-workspace kernel, with no workspace)
+     (16384, 2048, None),  # pipelined through two buffers within the default 64 MiB
+     (16384, 2048, 3 << 20),  # two buffers of 1 MiB (2 MiB + the allocator's 1 MiB slack)
      (4096, 4096, (1 << 20) + 5),  # an odd budget: two buffers of 64 rows each
      (6144, 4096, None)],  # 1.5 of the default's chunks: two of 3072 rows, not of 4096
     ids=str)

@@ -4,7 +4,7 @@
 // workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over its rows on
 // a side stream while the GEMM of the next chunk runs. With no room for one row, room for
 // chunks of too few rows (chunks_lose_accuracy) or no workspace to be had, the zero-workspace
-// kernel of kernels/square_matmul.cu.
+// kernel of kernels/square_matmul.cu; also where that kernel is the faster (kWgmmaMaxK).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAEvent.h>
@@ -37,6 +37,12 @@ constexpr int64_t kChunkTargetBytes = 32 << 20;
 // byte of a 2-byte W, so r >= 1024 stays well above the ridge point (about 300 flop/byte for
 // bf16 on H100) where W does not fit in L2 (K = 8192: 128 MiB).
 constexpr int64_t kMinChunkRows = 1024;
+
+// Up to this K, where the zero-workspace kernel runs on the warpgroup MMA (sm_90a) it takes
+// the default path too: it beats cuBLAS plus the copy back, whose copy costs half of the
+// GEMM's time at K = 1024 (H100, bf16, M = 16384-65536: 0.69-0.70x torch.matmul's speed
+// against 0.62-0.68x; at K = 2048 0.69-0.70x against 0.70-0.77x), and it needs no workspace.
+constexpr int64_t kWgmmaMaxK = 1024;
 
 // The CUDA caching allocator's granularity: requests round up to kAllocRound bytes, and those
 // of more than kAllocSmall come from blocks it may hand out up to kAllocSmall larger.
@@ -148,6 +154,12 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   // every path, before anything is written.
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
     using T = typename DeviceType<scalar_t>::type;
+    if (plan.k <= kWgmmaMaxK &&
+        square_matmul_zero_ws_on_wgmma<T>(device_ptr<scalar_t>(x), plan.x,
+                                          device_ptr<scalar_t>(plan.weight), plan.transpose)) {
+      run_zero_workspace<scalar_t>(x, plan, stream, "it is the faster kernel there");
+      return;
+    }
     SideStreamCopies pipeline(at::cuda::getCurrentCUDAStream());
     const int64_t budget = allocatable_bytes(workspace_bytes);
     // The zero-workspace kernel measured 0.8x torch.matmul's fp32 error there (H100).

@@ -670,18 +670,20 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
 // Warpgroup streaming kernel (fp16/bf16, sm_90a builds on sm_90): the streaming kernel's
 // scheme (a cluster shares a row block of BM rows; each block computes its column tiles, parks
 // them on chip and writes them over x after a cluster barrier) on Hopper's warpgroup MMA
-// (kernels/wgmma.cuh), fed by the TMA. A k step of 32 (one 64-byte swizzled row of x and W
-// per row) is two m64n256k16 MMAs for each of two consumer warpgroups, each accumulating a
+// (kernels/wgmma.cuh), fed by the TMA. A k step of 64 (one 128-byte swizzled row of x and W
+// per row) is four m64n256k16 MMAs for each of two consumer warpgroups, each accumulating a
 // 64 x 256 fp32 tile; a producer warp issues the loads kStages steps ahead, and mbarriers say
 // when a stage is full (its bytes landed) and when it is empty (every block that wrote into it
 // has had its MMAs finish reading it). Every block of a cluster needs the same x tiles, so each
 // loads BM / cluster rows of a tile and multicasts them to all: L2 serves x once per cluster,
-// not once per block. The loads in flight hide L2's latency: steps of 32 rather than 64 k
-// (24 KB, not 48) fit twice as many stages beside the parked tiles, so that more than one
-// step's loads are under way while the MMAs run (with 3 stages of 64, the H100 spent ~1.4 us a
-// step on ~0.55 us of MMA work). So that every block waits for the same x tiles, all blocks
-// of a cluster walk tpc column tiles; a block with fewer (the last, when the tiles do not
-// split evenly) consumes the x tiles of the missing ones without MMAs.
+// not once per block. Each step has a fixed cost (barrier waits and arrivals across the
+// cluster), so steps are as long as the 128-byte swizzle allows: H100, bf16, against
+// torch.matmul, steps of 64 k in 3-4 stages ran at 0.64-0.75x its speed where steps of 32 k
+// in 6-8 stages (more loads in flight) ran at 0.38-0.46x. (Also multicasting W between two
+// row blocks of a cluster, which halves what L2 serves, measured no faster.) So that every
+// block waits for the same x tiles, all blocks of a cluster walk tpc column tiles; a block
+// with fewer (the last, when the tiles do not split evenly) consumes the x tiles of the
+// missing ones without MMAs.
 // Column tiles of BN = 256, so K = 4096 takes a cluster of 8 blocks of two tiles (or 16 of
 // one); K = 8192 one of 16 blocks of two (the H100 schedules 16, not every sm_90 part: there
 // no plan fits and the mma.sync kernels run). x's rows must be evenly spaced (one tensor map).
@@ -699,7 +701,7 @@ struct WgmmaTile {
   static constexpr int LAST_LD = BN + kOutPad;
   static constexpr int kBlocksPerSm = 1;
   static constexpr int kMaxCluster = 16;
-  // x tiles are split among the cluster's blocks in whole 8-row swizzle atoms (512 bytes,
+  // x tiles are split among the cluster's blocks in whole 8-row swizzle atoms (1024 bytes,
   // which keeps every piece aligned as the swizzle needs).
   static constexpr bool kMulticastX = true;
   // The stages start 1024-byte aligned (swizzle); a full and an empty barrier per stage.
@@ -713,7 +715,7 @@ struct WgmmaTile {
 };
 
 // The tensor maps of a launch: x's rows (box BK columns x BM / cluster rows) and W (box
-// BK x BN of W's rows j when transposed, else BK-row by BK-column boxes), 64-byte swizzled.
+// BK x BN of W's rows j when transposed, else BK-row by BK-column boxes), 128-byte swizzled.
 struct TmaMaps {
   CUtensorMap x;
   CUtensorMap w;
@@ -1208,9 +1210,9 @@ cudaError_t launch_family(TileList<Tiles...> tiles, const Args<T>& a, const Devi
 // Streaming kernels: the blocks of a cluster share a row block, so a cluster must fit on the
 // GPU at once (Tile::kMaxCluster).
 using StreamTiles = TileList<StreamTile<4>, StreamTile<2>>;
-// Eight stages where they fit beside the parked tiles (one column tile per block), else six
+// Four stages where they fit beside the parked tiles (one column tile per block), else three
 // (two).
-using WgmmaTiles = TileList<WgmmaTile<8>, WgmmaTile<6>>;
+using WgmmaTiles = TileList<WgmmaTile<4>, WgmmaTile<3>>;
 
 template <typename T, bool TRANS, int MT>
 auto stream_kernel_of(StreamTile<MT>) {
@@ -1347,7 +1349,7 @@ EncodeTiled encode_tiled() {
 
 // A 16-bit matrix of `rows` rows of `cols` elements, rows `pitch` bytes apart, seen in boxes
 // of box_cols x box_rows, swizzled as kSwizzleBytes says; reads past its edges give zeros.
-static_assert(kSwizzleBytes == 64, "encode_map's CU_TENSOR_MAP_SWIZZLE_64B");
+static_assert(kSwizzleBytes == 128, "encode_map's CU_TENSOR_MAP_SWIZZLE_128B");
 template <typename T>
 bool encode_map(CUtensorMap* map, const T* base, int64_t cols, int64_t rows, int64_t pitch,
                 int box_cols, int box_rows) {
@@ -1361,7 +1363,7 @@ bool encode_map(CUtensorMap* map, const T* base, int64_t cols, int64_t rows, int
                         std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                   : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                         2, const_cast<T*>(base), dims, strides, box, unit,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -1419,24 +1421,49 @@ cudaError_t launch_stream_tile(Args<T> a, const StreamPlan& p, cudaStream_t stre
   return cudaGetLastError();
 }
 
+// Index of the cheapest tile of Tiles for the streaming kernel and its plan (cost INT64_MAX:
+// none fits). The first (more rows per block) wins a tie.
+template <typename T, bool TRANS, class... Tiles>
+std::pair<int, StreamPlan> best_stream_plan(TileList<Tiles...>, const Args<T>& a,
+                                            const DeviceInfo& d) {
+  const StreamPlan plans[] = {plan_stream<T, TRANS, Tiles>(a.rows, a.k, d)...};
+  int best = 0;
+  for (int i = 1; i < static_cast<int>(sizeof...(Tiles)); ++i)
+    if (plans[i].cost < plans[best].cost) best = i;
+  return {best, plans[best]};
+}
+
 // The streaming kernel with the cheapest tile and split. *launched stays false, and nothing
 // runs, when no plan fits (the caller then uses the staging kernel). Needs sm_90 (clusters)
 // and 16-byte chunks of x and W.
 template <typename T, bool TRANS, class... Tiles>
-cudaError_t launch_stream(TileList<Tiles...>, const Args<T>& a, const DeviceInfo& d,
+cudaError_t launch_stream(TileList<Tiles...> tiles, const Args<T>& a, const DeviceInfo& d,
                           cudaStream_t stream, bool* launched) {
   *launched = false;
-  const StreamPlan plans[] = {plan_stream<T, TRANS, Tiles>(a.rows, a.k, d)...};
-  int best = 0;  // the first (more rows per block) on a tie
-  for (int i = 1; i < static_cast<int>(sizeof...(Tiles)); ++i)
-    if (plans[i].cost < plans[best].cost) best = i;
-  if (plans[best].cost == INT64_MAX) return cudaSuccess;
+  const auto [best, plan] = best_stream_plan<T, TRANS>(tiles, a, d);
+  if (plan.cost == INT64_MAX) return cudaSuccess;
   cudaError_t err = cudaSuccess;
   int i = 0;
-  ((i++ == best ? (err = launch_stream_tile<T, TRANS, Tiles>(a, plans[best], stream), 0) : 0),
-   ...);
+  ((i++ == best ? (err = launch_stream_tile<T, TRANS, Tiles>(a, plan, stream), 0) : 0), ...);
   *launched = true;
   return err;
+}
+
+// Whether the warpgroup streaming kernel takes a (the zero-workspace path's first choice):
+// fp16/bf16 on sm_90 with this build's sm_90a code, x's rows evenly spaced, 16-byte chunks of
+// x and W, and rows enough for a plan.
+template <typename T>
+bool takes_wgmma(const Args<T>& a, const DeviceInfo& d, bool transpose) {
+  if constexpr (sizeof(T) != 2) {
+    return false;
+  } else {
+    if (!(use_tensor_cores<T>(d) && d.cc == 90 && a.x_vec && a.w_vec && has_wgmma() &&
+          tma_ready(a)))
+      return false;
+    const auto plan = transpose ? best_stream_plan<T, true>(WgmmaTiles{}, a, d).second
+                                : best_stream_plan<T, false>(WgmmaTiles{}, a, d).second;
+    return plan.cost < INT64_MAX;
+  }
 }
 
 
@@ -1488,7 +1515,7 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
   if constexpr (sizeof(T) == 2) {
     if (mma && d.cc >= 90 && a.x_vec && a.w_vec) {
       bool launched = false;
-      if (d.cc == 90 && has_wgmma() && tma_ready(a)) {
+      if (takes_wgmma(a, d, transpose)) {
         err = transpose ? launch_stream<T, true>(WgmmaTiles{}, a, d, stream, &launched)
                         : launch_stream<T, false>(WgmmaTiles{}, a, d, stream, &launched);
         if (err != cudaSuccess || launched) return err;
@@ -1505,6 +1532,15 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
                    : launch_family<T, false>(FmaTiles{}, a, d, stream);
 }
 
+template <typename T>
+bool square_matmul_zero_ws_on_wgmma(const T* x, const RowLayout& layout, const T* w,
+                                    bool transpose) {
+  DeviceInfo d;
+  if (layout.rows == 0 || layout.n == 0 || device_info(&d) != cudaSuccess) return false;
+  const Args<T> a = make_args<T>(const_cast<T*>(x), layout, w, nullptr, use_tensor_cores<T>(d));
+  return takes_wgmma(a, d, transpose);
+}
+
 template cudaError_t square_matmul_zero_ws<float>(float*, const RowLayout&, const float*,
                                                   const float*, bool, cudaStream_t);
 template cudaError_t square_matmul_zero_ws<__half>(__half*, const RowLayout&, const __half*,
@@ -1516,5 +1552,13 @@ template cudaError_t square_matmul_zero_ws<__nv_bfloat16>(__nv_bfloat16*, const 
 template cudaError_t square_matmul_zero_ws_max_k<float>(int64_t*);
 template cudaError_t square_matmul_zero_ws_max_k<__half>(int64_t*);
 template cudaError_t square_matmul_zero_ws_max_k<__nv_bfloat16>(int64_t*);
+
+template bool square_matmul_zero_ws_on_wgmma<float>(const float*, const RowLayout&,
+                                                   const float*, bool);
+template bool square_matmul_zero_ws_on_wgmma<__half>(const __half*, const RowLayout&,
+                                                    const __half*, bool);
+template bool square_matmul_zero_ws_on_wgmma<__nv_bfloat16>(const __nv_bfloat16*,
+                                                           const RowLayout&,
+                                                           const __nv_bfloat16*, bool);
 
 }  // namespace mti

@@ -30,4 +30,12 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
 template <typename T>
 cudaError_t square_matmul_zero_ws_max_k(int64_t* max_k);
 
+// Whether square_matmul_zero_ws<T> would run its warpgroup kernel (TMA-fed wgmma, sm_90a
+// builds on sm_90) on these arguments on the current device: 16-bit T, x's rows evenly spaced
+// and 16-byte aligned, and rows enough to fill the GPU. That kernel beats a cuBLAS GEMM plus
+// the copy back at small K (see csrc/cuda/square_matmul.cu).
+template <typename T>
+bool square_matmul_zero_ws_on_wgmma(const T* x, const RowLayout& layout, const T* w,
+                                    bool transpose);
+
 }  // namespace mti
