@@ -38,10 +38,14 @@ constexpr int64_t kChunkTargetBytes = 32 << 20;
 // bf16 on H100) where W does not fit in L2 (K = 8192: 128 MiB).
 constexpr int64_t kMinChunkRows = 1024;
 
-// Up to this K, where the zero-workspace kernel runs on the warpgroup MMA (sm_90a) it takes
-// the default path too: it beats cuBLAS plus the copy back, whose copy costs half of the
-// GEMM's time at K = 1024 (H100, bf16, M = 16384-65536: 0.69-0.70x torch.matmul's speed
-// against 0.62-0.68x; at K = 2048 0.69-0.70x against 0.70-0.77x), and it needs no workspace.
+// Up to this K, and for an x of at least kChunkTargetBytes, where the zero-workspace kernel
+// runs on the warpgroup MMA (sm_90a) it takes the default path too: cuBLAS's copy back costs
+// half of the GEMM's time at K = 1024. H100, K = 1024, fp16/bf16, ratio to torch.matmul's
+// speed, kernel (7c11b9a) against cuBLAS + copy (801bc92): M = 65536 0.67-0.74x against
+// 0.55-0.66x; M = 16384 0.67-0.72x against 0.69-0.71x, with no workspace instead of 32 MiB;
+// M = 4096 (x of 8 MiB) 0.49-0.52x against 0.75-0.77x: 32 row blocks make two uneven waves of
+// the kernel's clusters. At K = 2048 (7c11b9a, same run) the two were within a few percent
+// at M >= 16384 (0.73-0.81x against 0.72-0.83x), and cuBLAS + copy ahead at M = 4096.
 constexpr int64_t kWgmmaMaxK = 1024;
 
 // The CUDA caching allocator's granularity: requests round up to kAllocRound bytes, and those
@@ -154,7 +158,7 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   // every path, before anything is written.
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
     using T = typename DeviceType<scalar_t>::type;
-    if (plan.k <= kWgmmaMaxK &&
+    if (plan.k <= kWgmmaMaxK && plan.x.rows * plan.k * x.element_size() >= kChunkTargetBytes &&
         square_matmul_zero_ws_on_wgmma<T>(device_ptr<scalar_t>(x), plan.x,
                                           device_ptr<scalar_t>(plan.weight), plan.transpose)) {
       run_zero_workspace<scalar_t>(x, plan, stream, "it is the faster kernel there");
