@@ -140,16 +140,24 @@ struct LayerNormOp : NormOpBase<T, MeanM2, 2> {
     // The deviations from the chunk's mean in z's terms: that mean is rounded at the pivot's
     // magnitude, an error m2 feels only squared.
     const float center = shift + mean;
-    float m2 = 0.f;
+    float m2 = 0.f, dsum = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k)
 #pragma unroll
       for (int j = 0; j < VEC; ++j)
         if (valid(k, j)) {
           const float d = z[k][j] - center;
+          if constexpr (kPivot) dsum += d;
           m2 = fmaf(d, d, m2);
         }
-    return {cnt, mean, m2};
+    if constexpr (!kPivot) return {cnt, mean, m2};
+    // With a pivot the sum above rounded at |x - pivot|, which is the row's spread (or more)
+    // where the pivot is an outlier: an fp32 row of 16 with x[0] = 1.46 and mean -0.13 was
+    // off by 4.8x PyTorch's error (H100). The deviations' sum is that rounding error times
+    // cnt; the corrected two-pass statistics take it out (emulated in float32 on that row:
+    // PyTorch's error).
+    const float corr = dsum * inv;
+    return {cnt, (center - shift) + corr, m2 - dsum * corr};
   }
 
   // The mean that output() subtracts from z = x: without a pivot the mean itself (lo 0), else

@@ -420,7 +420,7 @@ struct StreamTile {
   static constexpr int kBlocksPerSm = 1;
   static constexpr int kStages = mti::kStages;
   static constexpr int kMaxCluster = 8;  // the largest cluster every sm_90 part schedules
-  static constexpr bool kMulticastX = false;  // every block loads all of each x tile
+  static constexpr bool kTma = false;  // cp.async loads: every block loads all of each x tile
   static constexpr int kSmemSlack = 0;   // bytes of dynamic shared memory spent on alignment
   static_assert(X_TILE / 8 % THREADS == 0, "whole 16-byte chunks of x per thread");
   static_assert(kStages * STAGE >= BM * LAST_LD, "the last tile parks in the stages");
@@ -701,9 +701,10 @@ struct WgmmaTile {
   static constexpr int LAST_LD = BN + kOutPad;
   static constexpr int kBlocksPerSm = 1;
   static constexpr int kMaxCluster = 16;
-  // x tiles are split among the cluster's blocks in whole 8-row swizzle atoms (1024 bytes,
-  // which keeps every piece aligned as the swizzle needs).
-  static constexpr bool kMulticastX = true;
+  // Fed by the TMA (tensor maps), each x tile split among the cluster's blocks, which
+  // multicast their pieces, in whole 8-row swizzle atoms (1024 bytes, which keeps every piece
+  // aligned as the swizzle needs).
+  static constexpr bool kTma = true;
   // The stages start 1024-byte aligned (swizzle); a full and an empty barrier per stage.
   static constexpr int kSmemSlack = 1024 + 2 * kStages * 8;
   // The producer warpgroup needs few registers; the two MMA warpgroups take what it gives up
@@ -1300,7 +1301,7 @@ int64_t resident_clusters(int cluster, size_t smem) {
 // 128-column row of MMAs, and these rows are BN = 256 columns wide). Smaller clusters win
 // ties. (H100, bf16, M = 16384: a cluster of 2 blocks of 2 tiles each at K = 1024 ran 25%
 // faster than one of 4 blocks of 1 tile, which takes 5 waves of 30 clusters for 128 row
-// blocks instead of 2 of 66.) Where the blocks multicast x (Tile::kMulticastX), each loads
+// blocks instead of 2 of 66.) Where the blocks multicast x (Tile::kTma), each loads
 // BM / cluster rows of it. Launches whose blocks would not fill half of the
 // multiprocessors are left to the staging kernel, which slices the columns finer.
 template <typename T, bool TRANS, class Tile>
@@ -1311,7 +1312,7 @@ StreamPlan plan_stream(int64_t rows, int k, const DeviceInfo& d) {
   for (int cluster = 1; cluster <= std::min(Tile::kMaxCluster, col_tiles); ++cluster) {
     const int tpc = (col_tiles + cluster - 1) / cluster;
     if ((col_tiles + tpc - 1) / tpc != cluster) continue;  // a block would be left empty
-    if (Tile::kMulticastX && Tile::BM / 8 % cluster != 0) continue;  // whole 8-row pieces
+    if (Tile::kTma && Tile::BM / 8 % cluster != 0) continue;  // whole 8-row pieces
     if (2 * row_blocks * cluster < d.num_sms) continue;
     const size_t smem = stream_smem_bytes<Tile>(tpc, sizeof(T));
     if (smem > static_cast<size_t>(d.smem_optin)) continue;
@@ -1319,7 +1320,7 @@ StreamPlan plan_stream(int64_t rows, int k, const DeviceInfo& d) {
     if (resident == 0) continue;
     const int64_t per_sm = std::max<int64_t>(1, ceil_div(resident * cluster, d.num_sms));
     const int64_t waves = ceil_div(row_blocks, resident);
-    const int x_rows = Tile::kMulticastX ? Tile::BM / cluster : Tile::BM;  // loaded per block
+    const int x_rows = Tile::kTma ? Tile::BM / cluster : Tile::BM;  // loaded per block
     const int64_t cost = waves * per_sm * tpc * (Tile::BM + (x_rows + Tile::BN) / 8);
     if (cost < best.cost) best = {tpc, cluster, cost};
   }
@@ -1395,7 +1396,7 @@ cudaError_t launch_stream_tile(Args<T> a, const StreamPlan& p, cudaStream_t stre
   // The warpgroup kernel's tensor-map coordinates (row b * BM + ...) are 32-bit.
   const int64_t row_blocks = (a.rows + Tile::BM - 1) / Tile::BM;
   const int64_t per_launch =
-      Tile::kMulticastX ? std::min(INT_MAX / p.cluster, INT_MAX / Tile::BM - 1)
+      Tile::kTma ? std::min(INT_MAX / p.cluster, INT_MAX / Tile::BM - 1)
                         : INT_MAX / p.cluster;  // row blocks
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
@@ -1406,7 +1407,7 @@ cudaError_t launch_stream_tile(Args<T> a, const StreamPlan& p, cudaStream_t stre
     a.first_block = first;
     const int64_t blocks = std::min(row_blocks - first, per_launch);
     cfg.gridDim = dim3(static_cast<unsigned>(blocks * p.cluster));
-    if constexpr (Tile::kMulticastX) {
+    if constexpr (Tile::kTma) {
       TmaMaps maps;
       const int64_t row0 = first * Tile::BM;
       err = make_maps<T, TRANS, Tile>(a, row0, std::min(a.rows - row0, blocks * Tile::BM),
