@@ -21,7 +21,8 @@
 // a thread-block cluster shares a row block, each block parking its slice of the outputs in
 // shared memory until a cluster barrier says all of the rows' inputs have been read, so a
 // block need not hold whole input rows and does many more rows per W tile. Builds for sm_90a
-// run it on the warpgroup MMA (wgmma) instead of mma.sync.
+// run it on the warpgroup MMA (wgmma) instead of mma.sync, fed by the TMA, where x's rows are
+// evenly spaced.
 #include "kernels/square_matmul.h"
 
 #include <cooperative_groups.h>
