@@ -15,6 +15,7 @@
 #include <cooperative_groups.h>
 
 #include "kernels/common.cuh"
+#include "kernels/mbarrier.cuh"
 
 namespace mti {
 
@@ -95,27 +96,13 @@ struct ClusterExchange {
   uint64_t full[2];
 };
 
-#ifdef MTI_CLUSTER_CODE
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// The address of the same shared-memory location in CTA `rank` of the cluster.
-__device__ __forceinline__ uint32_t map_to_rank(uint32_t address, int rank) {
-  uint32_t mapped;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(mapped) : "r"(address), "r"(rank));
-  return mapped;
-}
-#endif
-
 // Called by every thread once before the first exchange, followed by cluster_sync().
 template <class S>
 __device__ __forceinline__ void cluster_exchange_init(ClusterExchange<S>& ex) {
 #ifdef MTI_CLUSTER_CODE
   if (threadIdx.x == 0) {
-    for (int p = 0; p < 2; ++p)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&ex.full[p])));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int p = 0; p < 2; ++p) mbar_init(smem_u32(&ex.full[p]), 1);
+    mbar_init_fence();
   }
 #else
   __trap();
@@ -133,16 +120,10 @@ __device__ __forceinline__ S cluster_allreduce(const S& cta_total, ClusterExchan
   constexpr int kWords = sizeof(S) / sizeof(float);
   static_assert(sizeof(S) == kWords * sizeof(float), "a state is a struct of floats");
   const unsigned p = use % 2;
-  const uint32_t full = shared_address(&ex.full[p]);
-  if (threadIdx.x == 0) {
-    uint64_t state;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
-                 : "=l"(state)
-                 : "r"(full), "r"(static_cast<uint32_t>(cluster * sizeof(S)))
-                 : "memory");
-  }
+  const uint32_t full = smem_u32(&ex.full[p]);
+  if (threadIdx.x == 0) mbar_arrive_expect_tx(full, static_cast<uint32_t>(cluster * sizeof(S)));
   if (static_cast<int>(threadIdx.x) < cluster) {
-    const uint32_t slot = map_to_rank(shared_address(&ex.slots[p][rank]), threadIdx.x);
+    const uint32_t slot = map_to_rank(smem_u32(&ex.slots[p][rank]), threadIdx.x);
     const uint32_t remote_full = map_to_rank(full, threadIdx.x);
     float words[kWords];
     memcpy(words, &cta_total, sizeof(S));
@@ -154,17 +135,7 @@ __device__ __forceinline__ S cluster_allreduce(const S& cta_total, ClusterExchan
           "r"(__float_as_uint(words[i])), "r"(remote_full)
           : "memory");
   }
-  const unsigned phase = (use / 2) % 2;
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred ready;\n"
-        " mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, ready;\n}"
-        : "=r"(done)
-        : "r"(full), "r"(phase)
-        : "memory");
-  } while (done == 0);
+  mbar_wait(full, (use / 2) % 2);
   S total = ex.slots[p][0];
   for (int r = 1; r < cluster; ++r) total = S::combine(total, ex.slots[p][r]);
   return total;

@@ -39,6 +39,7 @@
 #include <utility>
 
 #include "kernels/common.cuh"
+#include "kernels/mbarrier.cuh"
 #include "kernels/wgmma.cuh"
 
 namespace mti {
@@ -1396,9 +1397,8 @@ cudaError_t launch_stream_tile(Args<T> a, const StreamPlan& p, cudaStream_t stre
   // Blocks blockIdx.x = cluster * b + rank: row block first_block + b, column slice rank.
   // The warpgroup kernel's tensor-map coordinates (row b * BM + ...) are 32-bit.
   const int64_t row_blocks = (a.rows + Tile::BM - 1) / Tile::BM;
-  const int64_t per_launch =
-      Tile::kTma ? std::min(INT_MAX / p.cluster, INT_MAX / Tile::BM - 1)
-                        : INT_MAX / p.cluster;  // row blocks
+  const int64_t per_launch =  // row blocks
+      Tile::kTma ? std::min(INT_MAX / p.cluster, INT_MAX / Tile::BM - 1) : INT_MAX / p.cluster;
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
   cudaError_t err = stream_config<T, TRANS, Tile>(stream_smem_bytes<Tile>(p.tpc, sizeof(T)),
@@ -1451,21 +1451,13 @@ cudaError_t launch_stream(TileList<Tiles...> tiles, const Args<T>& a, const Devi
   return err;
 }
 
-// Whether the warpgroup streaming kernel takes a (the zero-workspace path's first choice):
-// fp16/bf16 on sm_90 with this build's sm_90a code, x's rows evenly spaced, 16-byte chunks of
-// x and W, and rows enough for a plan.
+// Whether the warpgroup streaming kernel applies to a (the zero-workspace path's first
+// choice, where it finds a plan): fp16/bf16 on sm_90 with this build's sm_90a code, x's rows
+// evenly spaced, 16-byte chunks of x and W.
 template <typename T>
-bool takes_wgmma(const Args<T>& a, const DeviceInfo& d, bool transpose) {
-  if constexpr (sizeof(T) != 2) {
-    return false;
-  } else {
-    if (!(use_tensor_cores<T>(d) && d.cc == 90 && a.x_vec && a.w_vec && has_wgmma() &&
-          tma_ready(a)))
-      return false;
-    const auto plan = transpose ? best_stream_plan<T, true>(WgmmaTiles{}, a, d).second
-                                : best_stream_plan<T, false>(WgmmaTiles{}, a, d).second;
-    return plan.cost < INT64_MAX;
-  }
+bool wgmma_applies(const Args<T>& a, const DeviceInfo& d) {
+  return sizeof(T) == 2 && use_tensor_cores<T>(d) && d.cc == 90 && a.x_vec && a.w_vec &&
+         has_wgmma() && tma_ready(a);
 }
 
 
@@ -1517,7 +1509,7 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
   if constexpr (sizeof(T) == 2) {
     if (mma && d.cc >= 90 && a.x_vec && a.w_vec) {
       bool launched = false;
-      if (takes_wgmma(a, d, transpose)) {
+      if (wgmma_applies(a, d)) {
         err = transpose ? launch_stream<T, true>(WgmmaTiles{}, a, d, stream, &launched)
                         : launch_stream<T, false>(WgmmaTiles{}, a, d, stream, &launched);
         if (err != cudaSuccess || launched) return err;
@@ -1540,7 +1532,14 @@ bool square_matmul_zero_ws_on_wgmma(const T* x, const RowLayout& layout, const T
   DeviceInfo d;
   if (layout.rows == 0 || layout.n == 0 || device_info(&d) != cudaSuccess) return false;
   const Args<T> a = make_args<T>(const_cast<T*>(x), layout, w, nullptr, use_tensor_cores<T>(d));
-  return takes_wgmma(a, d, transpose);
+  if constexpr (sizeof(T) != 2) {
+    return false;
+  } else {
+    if (!wgmma_applies(a, d)) return false;
+    const auto plan = transpose ? best_stream_plan<T, true>(WgmmaTiles{}, a, d).second
+                                : best_stream_plan<T, false>(WgmmaTiles{}, a, d).second;
+    return plan.cost < INT64_MAX;
+  }
 }
 
 template cudaError_t square_matmul_zero_ws<float>(float*, const RowLayout&, const float*,

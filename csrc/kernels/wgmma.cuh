@@ -1,7 +1,8 @@
 // Hopper warpgroup MMA (wgmma, sm_90a only): the descriptors of operands in shared memory,
 // the m64n256k16 instruction with fp32 accumulators, and the fences around it; and what feeds
-// it: the tensor memory accelerator's tile loads (TMA, with multicast to a cluster), the
-// mbarriers they complete, and the register split between producer and consumer warpgroups.
+// it: the tensor memory accelerator's tile loads (TMA, with multicast to a cluster), which
+// complete mbarriers (kernels/mbarrier.cuh), and the register split between producer and
+// consumer warpgroups.
 // Device code here compiles only for an arch-specific target (TORCH_CUDA_ARCH_LIST "9.0a",
 // which defines __CUDA_ARCH_FEAT_SM90_ALL); elsewhere these helpers are empty and never
 // called.
@@ -110,69 +111,6 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
 #endif
 }
 #undef MTI_WGMMA_M64N256K16
-
-// ---------------------------------------------------------------------------------------
-// mbarriers (shared memory, 8 bytes each), addressed by their shared-memory address.
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t arrivals) {
-#if MTI_WGMMA
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
-#endif
-}
-
-// Makes the initialised barriers visible to the cluster's other blocks (and to the TMA)
-// before a cluster barrier lets them arrive on them.
-__device__ __forceinline__ void mbar_init_fence() {
-#if MTI_WGMMA
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-
-// Arrives once and adds `bytes` to the transfers the current phase waits for.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-#if MTI_WGMMA
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-               "r"(bytes)
-               : "memory");
-#endif
-}
-
-// Arrives on the barrier at the same shared address in block `cta` of the cluster (this
-// block too). The arrive's default release is at CTA scope: what it orders is this
-// warpgroup's MMAs' reads of the stage, which wgmma_wait has already seen complete. A
-// cluster-scope release (.release.cluster) waits for the thread's every earlier write to
-// reach the cluster: with it, the H100 ran the warpgroup kernel 1.3-1.7x slower.
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
-#if MTI_WGMMA
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(bar),
-      "r"(cta)
-      : "memory");
-#endif
-}
-
-// Waits until the phase of parity `parity` has completed (parity 1 passes at once on a
-// fresh barrier: its phase 0 is the one in progress).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-#if MTI_WGMMA
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-#endif
-}
 
 // ---------------------------------------------------------------------------------------
 // TMA: a box of a 2-D tensor map (coordinates innermost first, in elements; zeros where the
