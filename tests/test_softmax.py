@@ -175,6 +175,23 @@ def test_float_mask_is_read_in_x_dtype(device):
 @pytest.mark.parametrize("log", LOG_PARAMS)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
+def test_cluster_rows_many_per_cluster(device, dtype, log):
+    """Rows that a cluster of CTAs holds on sm_90, many more rows than clusters run at once:
+    16-bit clusters copy their next row into shared memory while they reduce and write the
+    current one, so rows whose loaded lengths differ (causal limits, a last CTA's partial
+    share) follow one another in the same buffers. A few rows on the CPU."""
+    many = 2 if device == "cpu" else 700
+    check_softmax(device, dtype, log, (2, 300 if device != "cpu" else 3, 40960), seed=14,
+                  causal=True)
+    mask = random_mask("additive", (40960,), device, dtype, seed=15)
+    check_softmax(device, dtype, log, (many, 40960), seed=16, scale=0.5, mask=mask)
+    mask = random_mask("bool", (many, 32776), device, dtype, seed=17)
+    check_softmax(device, dtype, log, (many, 32776), seed=18, mask=mask, causal=True)
+
+
+@pytest.mark.parametrize("log", LOG_PARAMS)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 def test_wide_rows(device, dtype, log):
     """Rows of 262144: no per-thread array sized by the row may overflow. A few rows on the
     CPU (CI has 2 cores), more on CUDA, with and without a mask."""
