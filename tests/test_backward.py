@@ -182,6 +182,12 @@ NORM_WIDTHS = tuple(n for n in PATH_WIDTHS + ODD_WIDTHS if n >= 8) + (70000,)
 # Found on the H100 when the CUDA norms took rstd from rsqrtf (2 ulp): y's and rstd's extra
 # error doubled grad_x's in this 8-wide row. They now round rstd correctly (__frsqrt_rn).
 @example(lead=(), n=8, seed=86, weight=False, bias=False, rms=False)
+# Found on the H100 at 07ae295, fp32 only: grad_weight 7.1e-7 from PyTorch's 1.1e-7 (allowed
+# 6.8e-7). The forward's y is off by 4.5e-7 (1.9 ulp; PyTorch's 2.1e-7), which is what an
+# rstd 1 ulp above the correctly rounded one gives (emulated on the CPU; the fp32 m2 sum is
+# the likely cause, not confirmed), and the weight gradient, which the backward takes from y,
+# carries that. Fails on CUDA until fixed.
+@example(lead=(), n=62, seed=763, weight=True, bias=False, rms=False)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_norm_grads(device, dtype, lead, n, seed, weight, bias, rms):
