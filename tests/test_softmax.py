@@ -177,9 +177,8 @@ def test_float_mask_is_read_in_x_dtype(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_cluster_rows_many_per_cluster(device, dtype, log):
     """Rows that a cluster of CTAs holds on sm_90, many more rows than clusters run at once:
-    16-bit clusters copy their next row into shared memory while they reduce and write the
-    current one, so rows whose loaded lengths differ (causal limits, a last CTA's partial
-    share) follow one another in the same buffers. A few rows on the CPU."""
+    each cluster strides over rows whose loaded lengths differ (causal limits, a last CTA's
+    partial share), reusing its reduction buffers from row to row. A few rows on the CPU."""
     many = 2 if device == "cpu" else 700
     check_softmax(device, dtype, log, (2, 300 if device != "cpu" else 3, 40960), seed=14,
                   causal=True)

@@ -8,6 +8,8 @@
 
 namespace mti {
 
+// Device code for sm_90+, which has mbarriers and thread-block clusters (kernels/reduce.cuh's
+// cluster code uses it too).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define MTI_MBARRIER 1
 #else

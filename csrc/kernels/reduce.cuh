@@ -66,16 +66,12 @@ __device__ __forceinline__ S cta_allreduce(const S& warp_total, S* buf, int firs
   return warp_allreduce(w < row_warps ? buf[first_warp + w] : S::identity(), kMaxWarps);
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define MTI_CLUSTER_CODE 1
-#endif
-
 // Full cluster barrier with release/acquire semantics. Its release costs a GPU-scope fence
 // (MEMBAR.ALL.GPU, which waits for the thread's outstanding global stores), so it is used only
 // at kernel start (every CTA must have started, and initialized its mbarriers, before another
 // writes to its shared memory) and end; per-row exchanges go through mbarriers instead.
 __device__ __forceinline__ void cluster_sync() {
-#ifdef MTI_CLUSTER_CODE
+#if MTI_MBARRIER  // sm_90+: clusters too
   cooperative_groups::this_cluster().sync();
 #else
   __trap();  // the launchers use clusters only for kernels compiled for sm_90+
@@ -99,7 +95,7 @@ struct ClusterExchange {
 // Called by every thread once before the first exchange, followed by cluster_sync().
 template <class S>
 __device__ __forceinline__ void cluster_exchange_init(ClusterExchange<S>& ex) {
-#ifdef MTI_CLUSTER_CODE
+#if MTI_MBARRIER  // sm_90+: clusters too
   if (threadIdx.x == 0) {
     for (int p = 0; p < 2; ++p) mbar_init(smem_u32(&ex.full[p]), 1);
     mbar_init_fence();
@@ -121,7 +117,7 @@ __device__ __forceinline__ void cluster_exchange_init(ClusterExchange<S>& ex) {
 template <class S>
 __device__ __forceinline__ S cluster_allreduce(const S& cta_total, ClusterExchange<S>& ex,
                                                unsigned use, int rank, int cluster) {
-#ifdef MTI_CLUSTER_CODE
+#if MTI_MBARRIER  // sm_90+: clusters too
   constexpr int kWords = sizeof(S) / sizeof(float);
   static_assert(sizeof(S) == kWords * sizeof(float), "a state is a struct of floats");
   const unsigned p = use % 2;
