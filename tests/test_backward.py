@@ -184,11 +184,10 @@ NORM_WIDTHS = tuple(n for n in PATH_WIDTHS + ODD_WIDTHS if n >= 8) + (70000,)
 @example(lead=(), n=8, seed=86, weight=False, bias=False, rms=False)
 # Found on the H100 at 07ae295, fp32 only: grad_weight 7.1e-7 from PyTorch's 1.1e-7 (allowed
 # 6.8e-7). The forward's y is off by 4.5e-7 (1.9 ulp; PyTorch's 2.1e-7), and the weight
-# gradient, which the backward takes from y, carries that. Emulated on the CPU, either an
-# rstd 1 ulp high or a mean 1-2 ulp off gives exactly that error; the mean is the likelier:
-# fp32 rows keep their mean relative to the pivot x[0] = -2.96, 3.29 from the mean, so it is
-# rounded at ulp(3.29) = 2.4e-7 where the mean itself (0.33) has 3e-8. Fails on CUDA until
-# fixed.
+# gradient, which the backward takes from y, carries that. The mean was the cause: fp32 rows
+# kept it relative to the pivot x[0] = -2.96, 3.29 from the mean, so it was rounded at
+# ulp(3.29) = 2.4e-7 where the mean itself (0.33) has 3e-8. Fixed by carrying the sum of
+# x - pivot as an exact hi + lo (norm.cu's PivotSums; passes on the H100).
 @example(lead=(), n=62, seed=763, weight=True, bias=False, rms=False)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "kernels/rowwise.cuh"
 
 namespace mti {
@@ -40,6 +42,46 @@ struct MeanM2 {
   template <class F>
   __device__ __forceinline__ MeanM2 map(F f) const {
     return {f(n), f(mean), f(m2)};
+  }
+};
+
+// The exact sum a + b as an unevaluated hi + lo (Knuth's TwoSum). _rn against contraction.
+__device__ __forceinline__ float two_sum(float a, float b, float& err) {
+  const float s = __fadd_rn(a, b);
+  const float bb = __fsub_rn(s, a);
+  err = __fadd_rn(__fsub_rn(a, __fsub_rn(s, bb)), __fsub_rn(b, bb));
+  return s;
+}
+
+// MeanM2 relative to a pivot, with the sum of x - pivot carried as hi + lo instead of the
+// mean. A mean relative to the pivot rounds at |mean - pivot|, which exceeds |mean| when the
+// pivot is an outlier: an fp32 row of 62 with x[0] = -2.96 and mean 0.33 had its mean off
+// by 2.6e-7 and its weight gradient by 6x PyTorch's error (H100). Sums add exactly as a
+// TwoSum, so the mean is then rounded once, in finish(), at its own magnitude (emulated in
+// float32 on that row: 1e-9). m2's merge needs the means only roughly (delta^2).
+struct PivotSums {
+  float n, hi, lo, m2;
+
+  static __device__ __forceinline__ PivotSums identity() { return {0.f, 0.f, 0.f, 0.f}; }
+
+  static __device__ __forceinline__ PivotSums combine(const PivotSums& a, const PivotSums& b) {
+    if (a.n == 0.f) return b;
+    if (b.n == 0.f) return a;
+    // Symmetric in (a, b) to the bit, as kernels/reduce.cuh needs: TwoSum's error is exact.
+    const float n = __fadd_rn(a.n, b.n);
+    float err;
+    const float hi = two_sum(a.hi, b.hi, err);
+    const float lo = __fadd_rn(__fadd_rn(a.lo, b.lo), err);
+    const float delta = __fsub_rn(__fdividef(b.hi, b.n), __fdividef(a.hi, a.n));
+    const float m2 = __fadd_rn(__fadd_rn(a.m2, b.m2),
+                               __fmul_rn(__fmul_rn(delta, delta),
+                                         __fdividef(__fmul_rn(a.n, b.n), n)));
+    return {n, hi, lo, m2};
+  }
+
+  template <class F>
+  __device__ __forceinline__ PivotSums map(F f) const {
+    return {f(n), f(hi), f(lo), f(m2)};
   }
 };
 
@@ -86,8 +128,12 @@ struct NormOpBase {
   }
 };
 
+// fp32 rows are reduced relative to a pivot (see LayerNormOp::kPivot), 16-bit rows not.
 template <typename T>
-struct LayerNormOp : NormOpBase<T, MeanM2, 2> {
+using LayerNormState = std::conditional_t<sizeof(T) == 4, PivotSums, MeanM2>;
+
+template <typename T>
+struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
   // 16-bit rows of a CTA: 64 values per thread, twice the bytes in flight per thread (and
   // half the warps to reduce over) of kWarpRegs. Measured on an H100 (bf16, N = 2048-8192,
   // when these rows cached their params): 0.91-0.93x of a copy, 0.85-0.91x with kWarpRegs;
@@ -116,9 +162,11 @@ struct LayerNormOp : NormOpBase<T, MeanM2, 2> {
   template <int VEC>
   __device__ __forceinline__ void prepare(float (&)[VEC], const NoAux&, const Row&, int) const {}
 
+  using State = LayerNormState<T>;
+
   template <int NV, int VEC, class Valid>
-  __device__ __forceinline__ MeanM2 local(float (&z)[NV][VEC], const Row& rc,
-                                          Valid valid) const {
+  __device__ __forceinline__ State local(float (&z)[NV][VEC], const Row& rc,
+                                         Valid valid) const {
     const float shift = kPivot ? rc.pivot : 0.f;
     float sum = 0.f, cnt = 0.f;
 #pragma unroll
@@ -129,7 +177,7 @@ struct LayerNormOp : NormOpBase<T, MeanM2, 2> {
           sum += z[k][j] - shift;
           cnt += 1.f;
         }
-    if (cnt == 0.f) return MeanM2::identity();
+    if (cnt == 0.f) return State::identity();
     // The quotient refined by one Newton step on its exact (FMA) residual, so that a chunk of
     // equal values has exactly their value as its mean and m2 = 0: a 16-bit row of equal
     // values (no pivot) otherwise got a variance of a few ulps of the mean and outputs off by
@@ -150,14 +198,23 @@ struct LayerNormOp : NormOpBase<T, MeanM2, 2> {
           if constexpr (kPivot) dsum += d;
           m2 = fmaf(d, d, m2);
         }
-    if constexpr (!kPivot) return {cnt, mean, m2};
-    // With a pivot the sum above rounded at |x - pivot|, which is the row's spread (or more)
-    // where the pivot is an outlier: an fp32 row of 16 with x[0] = 1.46 and mean -0.13 was
-    // off by 4.8x PyTorch's error (H100). The deviations' sum is that rounding error times
-    // cnt; the corrected two-pass statistics take it out (emulated in float32 on that row:
-    // PyTorch's error).
-    const float corr = dsum * inv;
-    return {cnt, (center - shift) + corr, m2 - dsum * corr};
+    if constexpr (!kPivot) {
+      return {cnt, mean, m2};
+    } else {
+      // With a pivot the sum above rounded at |x - pivot|, which is the row's spread (or more)
+      // where the pivot is an outlier: an fp32 row of 16 with x[0] = 1.46 and mean -0.13 was
+      // off by 4.8x PyTorch's error (H100). The deviations' sum is that rounding error times
+      // cnt; the corrected two-pass statistics take it out (emulated in float32 on that row:
+      // PyTorch's error). The chunk's sum of x - pivot is then, exactly up to dsum's own
+      // rounding (at the deviations' size), cnt * (mean - center_err) + dsum, where center +
+      // center_err = shift + mean (TwoSum) and the product's error comes from an FMA.
+      float center_err;
+      two_sum(shift, mean, center_err);
+      const float hi = __fmul_rn(cnt, mean);
+      const float product_err = fmaf(cnt, mean, -hi);
+      const float lo = __fadd_rn(__fsub_rn(product_err, __fmul_rn(cnt, center_err)), dsum);
+      return {cnt, hi, lo, m2 - dsum * (dsum * inv)};
+    }
   }
 
   // The mean that output() subtracts from z = x: without a pivot the mean itself (lo 0), else
@@ -168,17 +225,24 @@ struct LayerNormOp : NormOpBase<T, MeanM2, 2> {
   };
   using Out = Fin;
 
-  __device__ __forceinline__ Fin finish(const MeanM2& t, const Row& rc) const {
+  __device__ __forceinline__ Fin finish(const State& t, const Row& rc) const {
     // Biased, as F.layer_norm. IEEE division and a correctly rounded rsqrt (not the 2-ulp
     // __fdividef / rsqrtf), once per row: the backward recovers x_hat from y and reads rstd,
     // so their rounding carries into the gradients.
-    const float var = fmaxf(t.m2 / static_cast<float>(this->n), 0.f);
+    const float n = static_cast<float>(this->n);
+    const float var = fmaxf(t.m2 / n, 0.f);
     const float rstd = __frsqrt_rn(var + this->eps);
-    if constexpr (!kPivot) return {t.mean, 0.f, rstd};
-    const float hi = __fadd_rn(rc.pivot, t.mean);
-    const float back = __fsub_rn(hi, rc.pivot);
-    const float lo = __fadd_rn(__fsub_rn(rc.pivot, __fsub_rn(hi, back)), __fsub_rn(t.mean, back));
-    return {hi, lo, rstd};
+    if constexpr (!kPivot) {
+      return {t.mean, 0.f, rstd};
+    } else {
+      // mean = (hi + lo) / n as mean + mean_lo, the quotient's remainder exact by FMA; then
+      // pivot + mean as hi + lo by TwoSum.
+      const float mean = t.hi / n;
+      const float mean_lo = __fadd_rn(fmaf(-mean, n, t.hi), t.lo) / n;
+      float err;
+      const float hi = two_sum(rc.pivot, mean, err);
+      return {hi, __fadd_rn(err, mean_lo), rstd};
+    }
   }
 
   template <int VEC>
