@@ -74,7 +74,8 @@ constexpr int path_nv(Path path, int vec, bool params) {
     case Path::kRegisters:
       return (params ? kParamElems : Op::kResidentElems) / vec;
     case Path::kShared:
-      return (params || Op::kCacheColumns) && kParamElems / vec < kStagedVectors
+      return (params || Op::template kCacheColumns<Path::kShared>) &&
+                     kParamElems / vec < kStagedVectors
                  ? kParamElems / vec
                  : kStagedVectors;
     case Path::kStream:
@@ -135,6 +136,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   static constexpr bool kHasParams = false;
   static constexpr int kResidentElems = kSoftmaxElems;
   static constexpr int kColumnValues = 0;
+  template <Path>
   static constexpr bool kCacheColumns = false;
 
   struct Row {
@@ -209,11 +211,15 @@ struct NormBackwardOp {
   static constexpr int kResidentElems = kParamElems;
   // Per column, as floats: the weight and the bias (1 and 0 where absent) and for 16-bit
   // types the weight's approximate reciprocal (0 where the weight is 0; fp32 divides, see
-  // grad()); see columns(). Cached only for 16-bit types (see backward_kernel's kCache): fp32
-  // loads need no widening, and its register kernel with parameter gradients has no register
-  // to spare (with the cache it spilled 4 bytes on sm_90).
+  // grad()); see columns(). Cached (see backward_kernel's kCache) for 16-bit types, and for
+  // fp32 on the shared path only: its register kernel with parameter gradients has no
+  // register to spare (with the cache it spilled 4 bytes on sm_90). On the shared path fp32
+  // gained most (H100, N = 65536, both parameter gradients: LayerNorm 440 -> 325 us, RMSNorm
+  // 392 -> 324 us; N = 16384: 360 -> 305, 354 -> 303), its weight and bias loads having hit
+  // L1 only half the time.
   static constexpr int kColumnValues = sizeof(T) == 4 ? 2 : 3;
-  static constexpr bool kCacheColumns = sizeof(T) == 2;
+  template <Path kPath>
+  static constexpr bool kCacheColumns = sizeof(T) == 2 || kPath == Path::kShared;
   enum { kW, kB, kRw };
 
   const T* weight;  // nullptr or n contiguous elements
@@ -484,7 +490,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   // their way.
   using Values = ParamValues<Op::kColumnValues, VEC>;
   using Cache = ColumnCache<Op::kColumnValues, NV, VEC>;
-  static_assert(!kCache || (!kStream && Op::kCacheColumns), "no column cache here");
+  static_assert(!kCache || (!kStream && Op::template kCacheColumns<kPath>),
+                "no column cache here");
   Vec* const staging_end =
       reinterpret_cast<Vec*>(dynamic_smem) + staging_buffers(kPath, VEC) * 2 * NV * slot_stride;
   const Cache cache{reinterpret_cast<typename Cache::Chunk*>(staging_end) + threadIdx.x,
@@ -845,6 +852,9 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
   return units;
 }
 
+using Registers = std::integral_constant<Path, Path::kRegisters>;
+using Shared = std::integral_constant<Path, Path::kShared>;
+
 // How a backward pass is launched: the vector width, the thread shape and the grid.
 struct Launch {
   bool vec = false;
@@ -885,21 +895,23 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
         return resident_backward_units<Op, T, 1, Path::kRegisters, kParams, false>(
             device, threads, cluster, sm_count);
       }
-      return l.shape.path == Path::kShared
-                 ? resident_backward_units<Op, T, kVec<T>, Path::kShared, kParams, kCache>(
-                       device, threads, cluster, sm_count)
-                 : resident_backward_units<Op, T, kVec<T>, Path::kRegisters, kParams, kCache>(
-                       device, threads, cluster, sm_count);
+      // 0 where the op caches no columns on the path.
+      const auto on = [&](auto path_const) -> int64_t {
+        constexpr Path kPath = decltype(path_const)::value;
+        if constexpr (kCache && !Op::template kCacheColumns<kPath>)
+          return 0;
+        else
+          return resident_backward_units<Op, T, kVec<T>, kPath, kParams, kCache>(
+              device, threads, cluster, sm_count);
+      };
+      return l.shape.path == Path::kShared ? on(Shared{}) : on(Registers{});
     };
     // The cache where it costs no occupancy (its shared memory may leave fewer CTAs per SM).
     const auto fitting = [&](auto params_const) {
       const int64_t plain = resident(params_const, std::false_type{});
-      if constexpr (Op::kCacheColumns) {
-        const int64_t cached = resident(params_const, std::true_type{});
-        l.cache = cached > 0 && cached >= plain;
-        if (l.cache) return cached;
-      }
-      return plain;
+      const int64_t cached = resident(params_const, std::true_type{});
+      l.cache = cached > 0 && cached >= plain;
+      return l.cache ? cached : plain;
     };
     int64_t fits = 0;
     if constexpr (Op::kHasParams)
@@ -993,14 +1005,13 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
                            dy, dx, L, op, l.shape.tpr, l.shape.cluster, part);
     return err != cudaSuccess ? err : cudaGetLastError();
   };
-  using Registers = std::integral_constant<Path, Path::kRegisters>;
-  using Shared = std::integral_constant<Path, Path::kShared>;
-  if constexpr (VEC > 1 && Op::kCacheColumns) {
-    if (l.cache)
-      return l.shape.path == Path::kShared ? resident(Shared{}, std::true_type{})
-                                           : resident(Registers{}, std::true_type{});
-  }
   if constexpr (VEC > 1) {
+    if (l.cache) {  // (plan_launch sets it only where the op caches on the path)
+      if constexpr (Op::template kCacheColumns<Path::kShared>)
+        if (l.shape.path == Path::kShared) return resident(Shared{}, std::true_type{});
+      if constexpr (Op::template kCacheColumns<Path::kRegisters>)
+        if (l.shape.path == Path::kRegisters) return resident(Registers{}, std::true_type{});
+    }
     if (l.shape.path == Path::kShared) return resident(Shared{}, std::false_type{});
   }
   return resident(Registers{}, std::false_type{});
