@@ -84,6 +84,19 @@ _CAPTURE_CONFIG = {
     "assume_static_by_default": True,
 }
 
+
+def _capture_config() -> dict:
+    """_CAPTURE_CONFIG, and where this torch's Dynamo has it, record_runtime_overhead off: on,
+    every call of a compiled region enters and leaves a "Pregraph bytecode" profiler range,
+    two calls of functions wrapped in torch._dynamo.disable even with no profiler attached,
+    ~5 us of host time a call (CPU, benchmarks/convert_overhead.py). Dynamo reads it when it
+    generates the region's bytecode, at capture; off, profiler traces lose that one range."""
+    config = dict(_CAPTURE_CONFIG)
+    if hasattr(torch._dynamo.config, "record_runtime_overhead"):  # not in older releases
+        config["record_runtime_overhead"] = False
+    return config
+
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -166,7 +179,7 @@ class ConvertedModule(nn.Module):
         signature = _input_signature(args, kwargs)
         if signature in self._captured:
             return self._compiled_call(*args, **kwargs)
-        with torch._dynamo.config.patch(_CAPTURE_CONFIG):
+        with torch._dynamo.config.patch(_capture_config()):
             out = self._compiled_call(*args, **kwargs)
         self._captured.add(signature)
         return out
@@ -293,17 +306,22 @@ class _Backend:
 
 def _input_signature(args, kwargs) -> tuple:
     """What a static-shape capture of a call depends on in its inputs: tensors' layouts and
-    Python scalars' values (Dynamo specializes on both)."""
+    Python scalars' values (Dynamo specializes on both). It runs on every call, where a small
+    model's forward is bound by host time: list comprehensions over a module-level function
+    cost a third less there than map() over a closure made at each call."""
+    return (
+        tuple([_arg_signature(a) for a in args]),
+        tuple([(k, _arg_signature(v)) for k, v in kwargs.items()]),
+    )
 
-    def one(a):
-        if isinstance(a, torch.Tensor):
-            return a.shape, a.stride(), a.dtype, a.device
-        if isinstance(a, (list, tuple, dict)):
-            leaves, spec = pytree.tree_flatten(a)
-            return spec, tuple(map(one, leaves))
-        return a if isinstance(a, (int, float, bool, str, type(None))) else type(a)
 
-    return tuple(map(one, args)), tuple((k, one(v)) for k, v in kwargs.items())
+def _arg_signature(a):
+    if isinstance(a, torch.Tensor):
+        return a.shape, a.stride(), a.dtype, a.device
+    if isinstance(a, (list, tuple, dict)):
+        leaves, spec = pytree.tree_flatten(a)
+        return spec, tuple([_arg_signature(leaf) for leaf in leaves])
+    return a if isinstance(a, (int, float, bool, str, type(None))) else type(a)
 
 
 def _check_no_autograd(module: nn.Module, args, kwargs) -> None:

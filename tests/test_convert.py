@@ -162,6 +162,55 @@ def test_new_shapes_recompile_and_stay_correct():
             assert_accurate(converted(x, mask), expected, ref64)
 
 
+def test_one_static_capture_per_input_layout(monkeypatch):
+    """A call with new input layouts captures with static shapes (the later ones too, where
+    Dynamo's defaults would make the changed sizes symbolic); a call with known layouts
+    captures nothing."""
+    convert_module = importlib.import_module("make_torch_inplace.convert")
+    graphs = []
+    rewrite = convert_module._rewrite_graph
+
+    def recording(gm, report=None):
+        graphs.append(gm.graph)
+        return rewrite(gm, report)
+
+    monkeypatch.setattr(convert_module, "_rewrite_graph", recording)
+    converted = mti.convert(make_block(PreNormBlock, "cpu"))
+    with torch.no_grad():
+        for b, t in ((2, 8), (1, 16), (2, 8), (1, 16), (3, 5)):
+            for _ in range(2):
+                converted(*block_inputs("cpu", b=b, t=t))
+    assert len(graphs) == 3
+    for graph in graphs:
+        for node in graph.nodes:
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                assert all(isinstance(s, int) for s in value.shape), node.format_node()
+
+
+def test_input_signature_tells_layouts_apart():
+    signature = importlib.import_module("make_torch_inplace.convert")._input_signature
+    x = torch.randn(4, 6)
+
+    def call(*args, **kwargs):
+        return signature(args, kwargs)
+
+    base = call(x, [x, 2], scale=0.5)
+    assert call(x.clone(), [torch.randn(4, 6), 2], scale=0.5) == base
+    different = [
+        call(x.t().contiguous().t(), [x, 2], scale=0.5),  # strides
+        call(x.double(), [x, 2], scale=0.5),  # dtype
+        call(x[:3], [x, 2], scale=0.5),  # shape
+        call(x, [x, 3], scale=0.5),  # a scalar's value
+        call(x, [x, 2, 2], scale=0.5),  # the structure of a list
+        call(x, (x, 2), scale=0.5),  # a tuple for a list
+        call(x, [x, 2], factor=0.5),  # a keyword
+        call(x, [x, 2], 0.5),  # positional for keyword
+    ]
+    assert base not in different
+    assert len(set(different)) == len(different)
+
+
 def test_inference_mode():
     model = make_block(PreNormBlock, "cpu")
     converted = check_converted(model, *block_inputs("cpu"), mode=torch.inference_mode)
