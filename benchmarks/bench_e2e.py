@@ -158,11 +158,12 @@ def make_inputs(name: str, batch: int, seq: int, size: Size, device, dtype) -> t
 
 
 # Timing rounds per case: the model as is and converted take turns, each round a time_ms of
-# each. A model this small at batch 1 is bound by its host time, and that followed the host's
-# speed on the H100 machines here, which drifted between consecutive measurements by up to
-# 1.5x; taking turns exposes both variants to the same drift, and the median over the rounds
-# drops the rounds it hit.
-ROUNDS = 5
+# each (the same total time, split). A model this small at batch 1 is bound by its host time,
+# and that followed the host's speed on the H100 machines here, which drifted between
+# consecutive measurements by up to 1.5x; taking turns exposes both variants to the same
+# drift, and the median over the rounds drops the rounds it hit. With 5 rounds a drift that
+# lasted three of them still moved single cells by 1.5-2.5x (block, batch 1, seq 512-1024).
+ROUNDS = 15
 
 
 def measure_pair(fns: list[Callable[[], torch.Tensor]], device) -> list[tuple]:
