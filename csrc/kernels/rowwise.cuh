@@ -222,8 +222,9 @@ struct StagedVectors {
 };
 
 // Where write_vectors() reads param i of a thread's vector k (at column c0) from: for the
-// first kCached params, the thread's slots in shared memory (see cache_param), vector k at
-// slots[(i * NV + k) * stride]; for the others global memory, or their value if absent.
+// first kCached of the thread's K * NV param vectors, in the order (i, k), its slots in shared
+// memory (see cache_param), vector k of param i at slots[(i * NV + k) * stride]; for the
+// others global memory, or their value if absent.
 template <int NV, int VEC, typename T, int K, int kCached>
 struct ParamReader {
   const ColumnParams<T, K>& params;
@@ -235,7 +236,7 @@ struct ParamReader {
     if constexpr (K > 0) {
 #pragma unroll
       for (int i = 0; i < K; ++i) {
-        if (i < kCached) {
+        if (i * NV + k < kCached) {
           to_floats(p.v[i], slots[(i * NV + k) * stride]);
         } else if (params.ptr[i] != nullptr) {
           to_floats(p.v[i], load_vec<VEC>(params.ptr[i], c0, 1));
@@ -249,20 +250,20 @@ struct ParamReader {
   }
 };
 
-// Starts copying `param` (or writes its value where absent) at this thread's vectors that
-// start before n into its slots: vector k to slots[k * stride]. Off the streaming path a thread
-// owns the same columns of every row it handles, so a cached param is read from global memory
-// once per kernel, not once per row: for a long row the params miss L1, and their loads held
-// up the stores of the write loop (H100: fp32 RMSNorm at N = 262144 ran at 0.70x of a copy
-// with a weight, 0.93x with it cached). cp.async, so that the copies run alongside the first
-// row's loads (one after another they held each CTA's start up), and through L1 (.ca), which
-// the CTAs of an SM that own the same columns share: through L2 alone (.cg) 16-bit LayerNorm
-// at N = 2048-8192 ran at 0.76-0.84x of a copy, through L1 at 0.91-0.92x (when rows of a CTA
-// still cached their params, see launch_caching).
-template <int NV, int VEC, typename T, typename Col, int kStride>
-__device__ __forceinline__ void cache_param(Packed<T, VEC>* slots, int stride, const T* param,
-                                            float absent, const StepCursor<Col, kStride>& at,
-                                            Col n) {
+// Starts copying `param` (or writes its value where absent) at this thread's first `count` vectors
+// that start before n into its slots: vector k to slots[k * stride]. Off the streaming path a
+// thread owns the same columns of every row it handles, so a cached param is read from global
+// memory once per kernel, not once per row: for a long row the params miss L1, and their loads held
+// up the stores of the write loop (H100: fp32 RMSNorm at N = 262144 ran at 0.70x of a copy with a
+// weight, 0.93x with it cached). cp.async, so that the copies run alongside the first row's loads
+// (one after another they held each CTA's start up), and through L1 (.ca), which the CTAs of an SM
+// that own the same columns share: through L2 alone (.cg) 16-bit LayerNorm at N = 2048-8192 ran at
+// 0.76-0.84x of a copy, through L1 at 0.91-0.92x (when rows of a CTA still cached their params, see
+// launch_caching).
+template <int VEC, typename T, typename Col, int kStride>
+__device__ __forceinline__ void cache_param(Packed<T, VEC>* slots, int stride, int count,
+                                            const T* param, float absent,
+                                            const StepCursor<Col, kStride>& at, Col n) {
   static_assert(sizeof(Packed<T, VEC>) == 16, "cp.async copies 16-byte vectors");
   Packed<T, VEC> value;
 #pragma unroll
@@ -270,7 +271,7 @@ __device__ __forceinline__ void cache_param(Packed<T, VEC>* slots, int stride, c
   // Not unrolled: nothing waits on a copy here, and unrolled the addresses took registers that
   // the row needs (a spill in fp32 RMSNorm's cluster kernel).
 #pragma unroll 1
-  for (int k = 0; k < NV; ++k) {
+  for (int k = 0; k < count; ++k) {
     const Col c0 = at.col(k, VEC);
     if (c0 >= n) continue;
     if (param != nullptr)
@@ -436,10 +437,10 @@ int params_to_cache(const ColumnParams<T, K>& params) {
 // softmax (0.64 -> 0.69 at 262144) and LayerNorm (0.74 -> 0.77) but lost at N = 32768-65536
 // (softmax 0.87 -> 0.85, LayerNorm 0.86 -> 0.81) and for RMSNorm at every N (0.93 -> 0.84).
 //
-// kCached (ops with Op::kParams; not on the streaming path): the first kCached params (their
-// value where absent) are copied into shared memory once (cache_param, row_smem_bytes() of
-// dynamic shared memory: NV vectors per thread and param) and read from there in every row's
-// write loop, the others from global memory (see ParamReader).
+// kCached (ops with Op::kParams; not on the streaming path): the first kCached of the
+// thread's param vectors (NV per param, param 0's first; their value where absent) are copied
+// into shared memory once (cache_param, row_smem_bytes() of dynamic shared memory) and read
+// from there in every row's write loop, the others from global memory (see ParamReader).
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
 __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
     row_kernel(T* __restrict__ x, const RowLayout layout, const Op op, const int tpr,
@@ -476,10 +477,10 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
   Vec* const param_slots = reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x;
   if constexpr (kCached > 0) {
 #pragma unroll
-    for (int i = 0; i < kCached; ++i)
-      cache_param<NV>(param_slots + i * NV * blockDim.x, static_cast<int>(blockDim.x),
-                      op.params.ptr[i], op.params.absent[i], Cursor{t, lane_group},
-                      static_cast<Col>(layout.n));
+    for (int i = 0; i * NV < kCached; ++i)
+      cache_param(param_slots + i * NV * blockDim.x, static_cast<int>(blockDim.x),
+                  std::min(NV, kCached - i * NV), op.params.ptr[i], op.params.absent[i],
+                  Cursor{t, lane_group}, static_cast<Col>(layout.n));
     cp_async_commit();
   }
   const ParamReader<NV, VEC, T, Op::kParams, kCached> params{op.params, param_slots,
@@ -580,10 +581,10 @@ inline cudaError_t current_device(int* device, DeviceInfo* info) {
   return cudaSuccess;
 }
 
-// Dynamic shared memory of a launch of row_kernel: the cached params.
-template <typename T, int VEC, int NV, int kCached>
+// Dynamic shared memory of a launch of row_kernel: the cached param vectors.
+template <typename T, int VEC, int kCached>
 constexpr size_t row_smem_bytes(int threads) {
-  return static_cast<size_t>(kCached) * NV * threads * sizeof(Packed<T, VEC>);
+  return static_cast<size_t>(kCached) * threads * sizeof(Packed<T, VEC>);
 }
 
 // How many CTAs (clusters of `cluster` CTAs when cluster > 1) of `threads` threads with
@@ -640,7 +641,7 @@ int resident_units(int device, int threads, int cluster, int sm_count) {
     return slot->load(std::memory_order_relaxed) - 1;
   const int units =
       occupancy_units(row_kernel<Op, T, VEC, NV, kPath, kCached>, threads, cluster,
-                      row_smem_bytes<T, VEC, NV, kCached>(threads), sm_count);
+                      row_smem_bytes<T, VEC, kCached>(threads), sm_count);
   if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
   return units;
 }
@@ -667,7 +668,7 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(std::min(row_groups, max_groups) * cluster));
   config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = row_smem_bytes<T, VEC, NV, kCached>(threads);
+  config.dynamicSmemBytes = row_smem_bytes<T, VEC, kCached>(threads);
   config.stream = stream;
   cudaLaunchAttribute dims;
   dims.id = cudaLaunchAttributeClusterDimension;
@@ -682,21 +683,30 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
+// The counts of cached param vectors that launch_caching tries after `cached`: from all the
+// vectors of p params (p * nv) to all but a quarter of the last one's, then to p - 1 params'.
+constexpr int fewer_cached(int cached, int nv) {
+  return cached % nv != 0 ? cached / nv * nv : nv >= 4 ? cached - nv / 4 : cached - nv;
+}
+
 // launch_row_kernel() for rows that belong to a cluster (of one CTA or more), with the first
-// kCached (at most) of the op's params cached: as many as there are up to the last one given,
-// and as fit in shared memory without fewer CTAs resident than with none (with fewer, less of
-// the rows is in flight: H100, fp32 LayerNorm at N = 262144 with weight and bias cached ran
-// one CTA per SM and at 0.39x of a copy, 0.59x with neither). Shorter rows do not cache: their
-// params stay in L1, and a CTA that caches strides over the rows (launch_row_kernel). With
-// them cached fp32 LayerNorm at N = 256-1024 ran 2-3% slower; at N = 2048-4096 a CTA per row
-// reading its params from L1 ran at 0.97-0.99x of a copy (fp32) and 0.96-0.97x (bf16),
-// cached 0.89x and 0.91-0.93x.
-template <class Op, typename T, int VEC, int NV, int kCached = Op::kParams>
+// kCached (at most) of each thread's param vectors cached: only params up to the last one given,
+// and as many vectors as fit in shared memory without fewer CTAs resident than with none (with
+// fewer, less of the rows is in flight: H100, fp32 LayerNorm at N = 262144 with weight and bias
+// cached ran one CTA per SM and at 0.39x of a copy, 0.59x with neither). Of fp32 LayerNorm's bias
+// all but a quarter fits beside the weight on two CTAs per SM, where only the weight (whole params)
+// did: N = 65536 / 131072 / 262144 went from 0.83 / 0.70 / 0.65 to 0.86 / 0.84 / 0.79x of a copy
+// (H100; the bias's global loads held up the write loop as the weight's did RMSNorm's, see
+// cache_param). Shorter rows do not cache: their params stay in L1, and a CTA that caches strides
+// over the rows (launch_row_kernel). With them cached fp32 LayerNorm at N = 256-1024 ran 2-3%
+// slower; at N = 2048-4096 a CTA per row reading its params from L1 ran at 0.97-0.99x of a copy
+// (fp32) and 0.96-0.97x (bf16), cached 0.89x and 0.91-0.93x.
+template <class Op, typename T, int VEC, int NV, int kCached = Op::kParams * NV>
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
                            int sm_count, cudaStream_t stream) {
   constexpr RowPath kPath = RowPath::kCluster;
   if constexpr (kCached > 0) {
-    const int units = params_to_cache(op.params) >= kCached
+    const int units = params_to_cache(op.params) * NV >= kCached
                           ? resident_units<Op, T, VEC, NV, kPath, kCached>(device, kMaxThreads,
                                                                            cluster, sm_count)
                           : 0;
@@ -704,8 +714,8 @@ cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int clus
         units >= resident_units<Op, T, VEC, NV, kPath, 0>(device, kMaxThreads, cluster, sm_count))
       return launch_row_kernel<Op, T, VEC, NV, kPath, kCached>(
           x, layout, op, kMaxThreads, kMaxThreads, cluster, device, sm_count, stream);
-    return launch_caching<Op, T, VEC, NV, kCached - 1>(x, layout, op, cluster, device, sm_count,
-                                                       stream);
+    return launch_caching<Op, T, VEC, NV, fewer_cached(kCached, NV)>(x, layout, op, cluster,
+                                                                     device, sm_count, stream);
   } else {
     return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,
                                                     cluster, device, sm_count, stream);
