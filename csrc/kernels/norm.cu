@@ -186,8 +186,9 @@ struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
     float mean = sum * inv;
     mean = fmaf(fmaf(-mean, cnt, sum), inv, mean);
     // The deviations from the chunk's mean in z's terms: that mean is rounded at the pivot's
-    // magnitude, an error m2 feels only squared.
-    const float center = shift + mean;
+    // magnitude, an error m2 feels only squared; center + center_err = shift + mean exactly.
+    float center_err = 0.f;
+    const float center = kPivot ? two_sum(shift, mean, center_err) : shift + mean;
     float m2 = 0.f, dsum = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k)
@@ -206,10 +207,8 @@ struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
       // off by 4.8x PyTorch's error (H100). The deviations' sum is that rounding error times
       // cnt; the corrected two-pass statistics take it out (emulated in float32 on that row:
       // PyTorch's error). The chunk's sum of x - pivot is then, exactly up to dsum's own
-      // rounding (at the deviations' size), cnt * (mean - center_err) + dsum, where center +
-      // center_err = shift + mean (TwoSum) and the product's error comes from an FMA.
-      float center_err;
-      two_sum(shift, mean, center_err);
+      // rounding (at the deviations' size), cnt * (mean - center_err) + dsum, the product's
+      // error from an FMA.
       const float hi = __fmul_rn(cnt, mean);
       const float product_err = fmaf(cnt, mean, -hi);
       const float lo = __fadd_rn(__fsub_rn(product_err, __fmul_rn(cnt, center_err)), dsum);
