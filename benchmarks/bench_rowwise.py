@@ -6,7 +6,9 @@ TB/s = the bytes the op must move / median time: forward reads x and writes y (p
 bias, a bool mask); backward reads y and dy and writes dx (plus dweight, dbias). The "clone"
 row is x.clone() for forward and y + dy (two reads, one write) for backward: a copy that moves
 the same bytes with no arithmetic. Backward runs torch.autograd.grad from the saved output
-with dy given, and times the backward only.
+with dy given, and times the backward only. Times are the GPU's alone (common.time_ms with
+gpu_only): every call's kernels are queued before its start event runs, so that host work
+(autograd's above all) does not count.
 
     python benchmarks/bench_rowwise.py                    # full sweep, CUDA
     python benchmarks/bench_rowwise.py --quick            # 3 widths, bfloat16
@@ -273,7 +275,9 @@ def bench_group(spec, dtype, n, args, device, compiled, clone_cache, records) ->
     shape = make_shape(spec, numel, n)
     p = make_params(spec, shape, dtype, device)
     x = torch.empty(shape, dtype=dtype, device=device)
-    timing = {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "device": device}
+    # The GPU's time: the backward's autograd host work would otherwise count (see time_ms).
+    timing = {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "device": device,
+              "gpu_only": True}
     elem = x.element_size()
     weights = [p[w] for w in spec.weights]
     liger = None

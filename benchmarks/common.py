@@ -7,6 +7,7 @@ benchmarks/results/<name>.json and .md (or to $MTI_RESULTS_DIR, which scripts/gp
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -90,15 +91,24 @@ def time_ms(
     warmup_ms: float = DEFAULT_WARMUP_MS,
     rep_ms: float = DEFAULT_REP_MS,
     device: torch.device | str | None = None,
+    gpu_only: bool = False,
 ) -> float:
     """Median milliseconds of one call of fn.
 
     CUDA: triton.testing.do_bench when Triton imports, else CUDA events around each call with
     the L2 cache flushed in between (what do_bench does). CPU: perf_counter. device defaults
     to CUDA when a GPU is present.
+
+    gpu_only (CUDA): the GPU's time alone. Each timed call is queued behind a GPU wait longer
+    than the call's host time, so that all of its kernels are queued by the time the start
+    event runs; otherwise a call whose host work (autograd's, say) outlasts the L2 flush that
+    precedes it counts the GPU's idle wait for its first launch (H100, bf16 backward of the
+    row-wise ops: cells at 0.3-0.8x of their neighbours on a busy host).
     """
     device = torch.device(device) if device is not None else best_device()
     if device.type == "cuda":
+        if gpu_only:
+            return _cuda_events_ms(fn, warmup_ms, rep_ms, queue_ahead=True)
         try:
             import triton.testing
         except ImportError:
@@ -113,7 +123,20 @@ def _repeats(estimate_ms: float, budget_ms: float) -> int:
     return max(1, min(10_000, int(budget_ms / max(estimate_ms, 1e-6))))
 
 
-def _cuda_events_ms(fn, warmup_ms: float, rep_ms: float) -> float:
+@functools.cache
+def _sleep_cycles_per_ms() -> float:
+    """GPU clock cycles per millisecond of torch.cuda._sleep on the current device."""
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+def _cuda_events_ms(fn, warmup_ms: float, rep_ms: float, queue_ahead: bool = False) -> float:
+    """See time_ms; queue_ahead is its gpu_only."""
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     fn()
     torch.cuda.synchronize()
@@ -125,13 +148,19 @@ def _cuda_events_ms(fn, warmup_ms: float, rep_ms: float) -> float:
     end.record()
     torch.cuda.synchronize()
     estimate = start.elapsed_time(end) / 5
+    host_ms = 0.0  # the longest host time of a warm-up call
     for _ in range(_repeats(estimate, warmup_ms)):
+        t0 = time.perf_counter()
         fn()
+        host_ms = max(host_ms, (time.perf_counter() - t0) * 1e3)
+    sleep_cycles = int((2 * host_ms + 0.05) * _sleep_cycles_per_ms()) if queue_ahead else 0
     n = _repeats(estimate, rep_ms)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     for s, e in zip(starts, ends):
         flush.zero_()
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
         s.record()
         fn()
         e.record()

@@ -14,6 +14,7 @@ from helpers import (
     DEVICES,
     DTYPE_PARAMS,
     LAYOUTS,
+    LONG_ROW_WIDTHS,
     ROW_STRIDED_LAYOUTS,
     assert_accurate,
     check_op,
@@ -140,6 +141,18 @@ def test_wide_rows(device, dtype):
     for layout in ("contiguous", "row_padded"):
         check_layer_norm(device, dtype, (rows,), (262144,), layout, 22, True, True, 1e-5)
         check_rms_norm(device, dtype, (rows,), (262144,), layout, 23, True, None)
+
+
+@pytest.mark.parametrize("n", LONG_ROW_WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_row_paths(device, dtype, n):
+    """Rows at the edges of the long-row paths, where a CTA's last step, stashed or in
+    registers, is empty or partly full, with each param cached or not."""
+    for seed, (with_weight, with_bias) in enumerate([(True, True), (False, True)]):
+        check_layer_norm(device, dtype, (3,), (n,), "contiguous", 50 + seed, with_weight,
+                         with_bias, 1e-5)
+    check_rms_norm(device, dtype, (3,), (n,), "contiguous", 52, True, None)
 
 
 @pytest.mark.parametrize("n", [2048, 8192, 40960, 262144])

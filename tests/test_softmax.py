@@ -11,6 +11,7 @@ from helpers import (
     DEVICES,
     DTYPE_PARAMS,
     LAYOUTS,
+    LONG_ROW_WIDTHS,
     check_op,
     examples,
     lead_shapes,
@@ -186,6 +187,19 @@ def test_cluster_rows_many_per_cluster(device, dtype, log):
     check_softmax(device, dtype, log, (many, 40960), seed=16, scale=0.5, mask=mask)
     mask = random_mask("bool", (many, 32776), device, dtype, seed=17)
     check_softmax(device, dtype, log, (many, 32776), seed=18, mask=mask, causal=True)
+
+
+@pytest.mark.parametrize("n", LONG_ROW_WIDTHS)
+@pytest.mark.parametrize("log", LOG_PARAMS)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_row_paths(device, dtype, log, n):
+    """Rows at the edges of the long-row paths, where a CTA's last step, stashed or in
+    registers, is empty or partly full; causal rows end inside either step."""
+    check_softmax(device, dtype, log, (3, n), seed=19, scale=0.5)
+    check_softmax(device, dtype, log, (2, 3, n), seed=20, causal=True)
+    mask = random_mask("bool", (3, n), device, dtype, seed=21)
+    check_softmax(device, dtype, log, (3, n), seed=22, mask=mask)
 
 
 @pytest.mark.parametrize("log", LOG_PARAMS)

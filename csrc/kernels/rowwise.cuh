@@ -8,6 +8,7 @@
 //    lanes (several rows per CTA) or by a whole CTA of up to kMaxThreads threads.
 //  - kCluster: the same for longer rows, held by a CTA of exactly kMaxThreads threads or, on
 //    sm_90+, by a cluster of up to 16 of them that reduce over distributed shared memory.
+//  - kStashed: kCluster with each thread holding as much of the row again in shared memory.
 //  - kStream: rows too long for the above: the row is read once to reduce and once more to
 //    write.
 // With col_stride 1, 16-byte aligned rows (and weight/bias, mask rows) and N a multiple of VEC
@@ -224,20 +225,22 @@ struct StagedVectors {
 // Where write_vectors() reads param i of a thread's vector k (at column c0) from: for the
 // first kCached of the thread's K * NV param vectors, in the order (i, k), its slots in shared
 // memory (see cache_param), vector k of param i at slots[(i * NV + k) * stride]; for the
-// others global memory, or their value if absent.
+// others global memory, or their value if absent. NV counts every vector the thread holds of
+// a row; a step of them starts at vector `first`.
 template <int NV, int VEC, typename T, int K, int kCached>
 struct ParamReader {
   const ColumnParams<T, K>& params;
   const Packed<T, VEC>* slots;
   int stride;
+  int first;  // the thread's vector that is vector 0 of the step (RowPath::kStashed)
   template <typename Col>
   __device__ __forceinline__ ParamValues<K, VEC> operator()(int k, Col c0) const {
     ParamValues<K, VEC> p;
     if constexpr (K > 0) {
 #pragma unroll
       for (int i = 0; i < K; ++i) {
-        if (i * NV + k < kCached) {
-          to_floats(p.v[i], slots[(i * NV + k) * stride]);
+        if (i * NV + first + k < kCached) {
+          to_floats(p.v[i], slots[(i * NV + first + k) * stride]);
         } else if (params.ptr[i] != nullptr) {
           to_floats(p.v[i], load_vec<VEC>(params.ptr[i], c0, 1));
         } else {
@@ -399,7 +402,45 @@ __device__ __forceinline__ void write_step(float (&z)[NV][VEC], const Op& op,
     write_vectors<false>(z, op, out, params, row, at, col_stride, end);
 }
 
-enum class RowPath { kResident, kCluster, kStream };
+// A thread's z of one step in shared memory (RowPath::kStashed): element e of z (in the order
+// [k][j]) at slots[(e / 4) * stride].{x,y,z,w}[e % 4]; with the threads of a CTA side by
+// side (stride = blockDim.x) a warp moves 512 contiguous bytes and no two lanes share a bank.
+template <int NV, int VEC>
+__device__ __forceinline__ void stash_step(float4* slots, int stride, const float (&z)[NV][VEC]) {
+  static_assert(NV * VEC % 4 == 0, "a step is whole float4s");
+#pragma unroll
+  for (int q = 0; q < NV * VEC / 4; ++q) {
+    const int e = 4 * q;
+    slots[q * stride] = make_float4(z[e / VEC][e % VEC], z[(e + 1) / VEC][(e + 1) % VEC],
+                                    z[(e + 2) / VEC][(e + 2) % VEC],
+                                    z[(e + 3) / VEC][(e + 3) % VEC]);
+  }
+}
+
+template <int NV, int VEC>
+__device__ __forceinline__ void unstash_step(float (&z)[NV][VEC], const float4* slots,
+                                             int stride) {
+#pragma unroll
+  for (int q = 0; q < NV * VEC / 4; ++q) {
+    const float4 v = slots[q * stride];
+    const int e = 4 * q;
+    z[e / VEC][e % VEC] = v.x;
+    z[(e + 1) / VEC][(e + 1) % VEC] = v.y;
+    z[(e + 2) / VEC][(e + 2) % VEC] = v.z;
+    z[(e + 3) / VEC][(e + 3) % VEC] = v.w;
+  }
+}
+
+// kStashed: a kCluster row of which each thread holds two steps of NV vectors, the first in
+// shared memory from its reduction to its write (stash_step), the second in registers. A CTA
+// (cluster) then holds twice the row that registers alone do: half the cluster for the same
+// row, so that a 16-bit CTA moves as many bytes per row as an fp32 one, and the cluster's
+// fixed costs (its reduction, its packing onto the SMs) weigh half as much. launch_rows says
+// which rows take it.
+enum class RowPath { kResident, kCluster, kStashed, kStream };
+
+// Steps of NV vectors that a thread holds of a row on `path` (see kStashed).
+constexpr int held_steps(RowPath path) { return path == RowPath::kStashed ? 2 : 1; }
 
 // CTAs of kMaxThreads threads that row_kernel is compiled to fit on an SM at once; the
 // register cap follows (128 per thread for 2, 80 for 3). More CTAs keep more rows in flight:
@@ -437,10 +478,14 @@ int params_to_cache(const ColumnParams<T, K>& params) {
 // softmax (0.64 -> 0.69 at 262144) and LayerNorm (0.74 -> 0.77) but lost at N = 32768-65536
 // (softmax 0.87 -> 0.85, LayerNorm 0.86 -> 0.81) and for RMSNorm at every N (0.93 -> 0.84).
 //
+// kStashed is kCluster with a CTA's run twice as long (kMaxThreads * NV * 2 vectors), which
+// each thread reads and reduces as two steps, the first parked in shared memory meanwhile.
+//
 // kCached (ops with Op::kParams; not on the streaming path): the first kCached of the
-// thread's param vectors (NV per param, param 0's first; their value where absent) are copied
-// into shared memory once (cache_param, row_smem_bytes() of dynamic shared memory) and read
-// from there in every row's write loop, the others from global memory (see ParamReader).
+// thread's param vectors (NV * held_steps(kPath) per param, param 0's first; their value where
+// absent) are copied into shared memory once (cache_param, row_smem_bytes() of dynamic shared
+// memory) and read from there in every row's write loop, the others from global memory (see
+// ParamReader). The stashed steps follow them.
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
 __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
     row_kernel(T* __restrict__ x, const RowLayout layout, const Op op, const int tpr,
@@ -448,7 +493,10 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
   using State = typename Op::State;
   using Vec = Packed<T, VEC>;
   constexpr bool kStream = kPath == RowPath::kStream;
-  constexpr int kStride = kPath == RowPath::kCluster ? kMaxThreads : 0;
+  constexpr bool kClusterRows = kPath == RowPath::kCluster || kPath == RowPath::kStashed;
+  constexpr int kSteps = held_steps(kPath);
+  constexpr int kHeldNV = NV * kSteps;  // vectors a thread holds of a row
+  constexpr int kStride = kClusterRows ? kMaxThreads : 0;
   static_assert(kCached == 0 || !kStream, "a streamed row's columns change from step to step");
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
@@ -458,12 +506,12 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
   // One name and type for every instantiation's dynamic shared memory, as CUDA requires.
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
-  constexpr bool kPerWarp = kPath != RowPath::kCluster;  // see read_step
-  const bool cta_rows = kPath == RowPath::kCluster || tpr > kWarpSize;
+  constexpr bool kPerWarp = !kClusterRows;  // see read_step
+  const bool cta_rows = kClusterRows || tpr > kWarpSize;
   const int rank = static_cast<int>(blockIdx.x) % cluster;
   const int lane_group = cta_rows ? static_cast<int>(blockDim.x) : tpr;
-  const int t = kPath == RowPath::kCluster ? rank * kMaxThreads * NV + static_cast<int>(threadIdx.x)
-                                           : static_cast<int>(threadIdx.x) % lane_group;
+  const int t = kClusterRows ? rank * kMaxThreads * kHeldNV + static_cast<int>(threadIdx.x)
+                             : static_cast<int>(threadIdx.x) % lane_group;
   const int rows_per_cta = cta_rows ? 1 : static_cast<int>(blockDim.x) / tpr;
   const int sub_row = cta_rows ? 0 : static_cast<int>(threadIdx.x) / tpr;
   const int64_t col_stride = VEC == 1 ? layout.col_stride : 1;
@@ -475,16 +523,22 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
     cluster_sync();
   }
   Vec* const param_slots = reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x;
+  float4* const stash = reinterpret_cast<float4*>(reinterpret_cast<Vec*>(dynamic_smem) +
+                                                  kCached * blockDim.x) +
+                        threadIdx.x;
+  constexpr int kStashSlots = NV * VEC / 4;  // float4s per stashed step and thread
   if constexpr (kCached > 0) {
 #pragma unroll
-    for (int i = 0; i * NV < kCached; ++i)
-      cache_param(param_slots + i * NV * blockDim.x, static_cast<int>(blockDim.x),
-                  std::min(NV, kCached - i * NV), op.params.ptr[i], op.params.absent[i],
-                  Cursor{t, lane_group}, static_cast<Col>(layout.n));
+    for (int i = 0; i * kHeldNV < kCached; ++i)
+      cache_param(param_slots + i * kHeldNV * blockDim.x, static_cast<int>(blockDim.x),
+                  std::min(kHeldNV, kCached - i * kHeldNV), op.params.ptr[i],
+                  op.params.absent[i], Cursor{t, lane_group}, static_cast<Col>(layout.n));
     cp_async_commit();
   }
-  const ParamReader<NV, VEC, T, Op::kParams, kCached> params{op.params, param_slots,
-                                                             static_cast<int>(blockDim.x)};
+  const auto step_params = [&](int s) {  // where the params of the thread's step s are
+    return ParamReader<kHeldNV, VEC, T, Op::kParams, kCached>{
+        op.params, param_slots, static_cast<int>(blockDim.x), s * NV};
+  };
   unsigned rows_done = 0;  // by this thread: picks the reduction buffers
   for (int64_t g = blockIdx.x / cluster; g < row_groups; g += group_stride) {
     const int64_t r = g * rows_per_cta + sub_row;
@@ -502,6 +556,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
 
     float z[NV][VEC];
     State mine;
+    State held[kSteps];  // the state of each step held (not kStream)
     if constexpr (kStream) {
       const Col step_vecs = static_cast<Col>(NV) * lane_group;
       mine = State::identity();
@@ -512,7 +567,13 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
         mine = s == 0 ? chunk : State::combine(mine, chunk);
       }
     } else {
-      mine = read_step<kPerWarp>(z, op, from_global, rc, Cursor{t, lane_group}, load_end, end);
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        if (s > 0) stash_step(stash + (s - 1) * kStashSlots * blockDim.x, blockDim.x, z);
+        held[s] = read_step<kPerWarp>(z, op, from_global, rc,
+                                      Cursor{t + s * NV * lane_group, lane_group}, load_end, end);
+        mine = s == 0 ? held[0] : State::combine(mine, held[s]);
+      }
     }
 
     State total = warp_allreduce(mine, cta_rows ? kWarpSize : tpr);
@@ -528,11 +589,16 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
       for (Col s = 0; s < steps; ++s) {
         const Cursor at{s * step_vecs + t, lane_group};
         const State chunk = read_step<kPerWarp>(z, op, from_global, rc, at, load_end, end);
-        write_step(z, op, op.out(fin, chunk), params, row, at, col_stride, end);
+        write_step(z, op, op.out(fin, chunk), step_params(0), row, at, col_stride, end);
       }
     } else {
       if constexpr (kCached > 0) cp_async_wait<0>();  // the cached params are in
-      write_step(z, op, op.out(fin, mine), params, row, Cursor{t, lane_group}, col_stride, end);
+#pragma unroll
+      for (int s = kSteps - 1; s >= 0; --s) {
+        if (s < kSteps - 1) unstash_step(z, stash + s * kStashSlots * blockDim.x, blockDim.x);
+        write_step(z, op, op.out(fin, held[s]), step_params(s), row,
+                   Cursor{t + s * NV * lane_group, lane_group}, col_stride, end);
+      }
     }
   }
   // No CTA leaves while another may still send it a total.
@@ -581,10 +647,13 @@ inline cudaError_t current_device(int* device, DeviceInfo* info) {
   return cudaSuccess;
 }
 
-// Dynamic shared memory of a launch of row_kernel: the cached param vectors.
-template <typename T, int VEC, int kCached>
+// Dynamic shared memory of a launch of row_kernel: the cached param vectors, then the stashed
+// steps.
+template <typename T, int VEC, int NV, RowPath kPath, int kCached>
 constexpr size_t row_smem_bytes(int threads) {
-  return static_cast<size_t>(kCached) * threads * sizeof(Packed<T, VEC>);
+  return (static_cast<size_t>(kCached) * sizeof(Packed<T, VEC>) +
+          static_cast<size_t>(held_steps(kPath) - 1) * NV * VEC * sizeof(float)) *
+         threads;
 }
 
 // How many CTAs (clusters of `cluster` CTAs when cluster > 1) of `threads` threads with
@@ -641,7 +710,7 @@ int resident_units(int device, int threads, int cluster, int sm_count) {
     return slot->load(std::memory_order_relaxed) - 1;
   const int units =
       occupancy_units(row_kernel<Op, T, VEC, NV, kPath, kCached>, threads, cluster,
-                      row_smem_bytes<T, VEC, kCached>(threads), sm_count);
+                      row_smem_bytes<T, VEC, NV, kPath, kCached>(threads), sm_count);
   if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
   return units;
 }
@@ -668,7 +737,7 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(std::min(row_groups, max_groups) * cluster));
   config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = row_smem_bytes<T, VEC, kCached>(threads);
+  config.dynamicSmemBytes = row_smem_bytes<T, VEC, NV, kPath, kCached>(threads);
   config.stream = stream;
   cudaLaunchAttribute dims;
   dims.id = cudaLaunchAttributeClusterDimension;
@@ -701,12 +770,13 @@ constexpr int fewer_cached(int cached, int nv) {
 // over the rows (launch_row_kernel). With them cached fp32 LayerNorm at N = 256-1024 ran 2-3%
 // slower; at N = 2048-4096 a CTA per row reading its params from L1 ran at 0.97-0.99x of a copy
 // (fp32) and 0.96-0.97x (bf16), cached 0.89x and 0.91-0.93x.
-template <class Op, typename T, int VEC, int NV, int kCached = Op::kParams * NV>
+template <class Op, typename T, int VEC, int NV, RowPath kPath,
+          int kCached = Op::kParams * NV * held_steps(kPath)>
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
                            int sm_count, cudaStream_t stream) {
-  constexpr RowPath kPath = RowPath::kCluster;
+  constexpr int kHeldNV = NV * held_steps(kPath);
   if constexpr (kCached > 0) {
-    const int units = params_to_cache(op.params) * NV >= kCached
+    const int units = params_to_cache(op.params) * kHeldNV >= kCached
                           ? resident_units<Op, T, VEC, NV, kPath, kCached>(device, kMaxThreads,
                                                                            cluster, sm_count)
                           : 0;
@@ -714,8 +784,8 @@ cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int clus
         units >= resident_units<Op, T, VEC, NV, kPath, 0>(device, kMaxThreads, cluster, sm_count))
       return launch_row_kernel<Op, T, VEC, NV, kPath, kCached>(
           x, layout, op, kMaxThreads, kMaxThreads, cluster, device, sm_count, stream);
-    return launch_caching<Op, T, VEC, NV, fewer_cached(kCached, NV)>(x, layout, op, cluster,
-                                                                     device, sm_count, stream);
+    return launch_caching<Op, T, VEC, NV, kPath, fewer_cached(kCached, kHeldNV)>(
+        x, layout, op, cluster, device, sm_count, stream);
   } else {
     return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,
                                                     cluster, device, sm_count, stream);
@@ -798,18 +868,38 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
         x, layout, op, threads, threads, 1, device, dev.sm_count, stream);
   }
   // A CTA, or on sm_90+ a cluster of up to kMaxCluster CTAs, per row, kCtaNV vectors per
-  // thread; streamed when no cluster holds it.
+  // thread in registers, and past what registers hold as much again stashed (kStashed);
+  // streamed when no cluster holds the row.
   const int64_t cta_vecs = int64_t{kMaxThreads} * kCtaNV;
-  int cluster = 1;
-  while (cluster <= kMaxCluster && vecs > cluster * cta_vecs) cluster *= 2;
-  if (cluster > kMaxCluster ||
-      (cluster > 1 &&
-       !(dev.cluster_launch && resident_units<Op, T, VEC, kCtaNV, RowPath::kCluster, 0>(
-                                   device, kMaxThreads, cluster, dev.sm_count) > 0))) {
-    return launch_row_kernel<Op, T, VEC, kStreamRegs / VEC, RowPath::kStream>(
-        x, layout, op, kMaxThreads, kMaxThreads, 1, device, dev.sm_count, stream);
+  // The smallest cluster whose CTAs of `path` hold the row; 0 if none can run here.
+  const auto cluster_for = [&](auto path) {
+    constexpr RowPath kPath = decltype(path)::value;
+    int cluster = 1;
+    while (cluster <= kMaxCluster && vecs > cluster * held_steps(kPath) * cta_vecs) cluster *= 2;
+    const bool fits = cluster <= kMaxCluster && (cluster == 1 || dev.cluster_launch) &&
+                      resident_units<Op, T, VEC, kCtaNV, kPath, 0>(device, kMaxThreads, cluster,
+                                                                   dev.sm_count) > 0;
+    return fits ? cluster : 0;
+  };
+  using Stashed = std::integral_constant<RowPath, RowPath::kStashed>;
+  using Registers = std::integral_constant<RowPath, RowPath::kCluster>;
+  // 16-bit rows of ops without params stash (H100, 2^26 elements, ratio to a copy at
+  // N = 32768 / 65536 / 131072 / 262144: bf16 softmax 0.88 / 0.87 / 0.83 / 0.77 without,
+  // 0.98 / 0.90 / 0.90 / 0.88 with). A norm's CTA that holds twice the columns needs twice the
+  // cached params, which then no longer fit beside the stash: 16-bit LayerNorm lost 16-25%,
+  // RMSNorm up to 9% at N >= 65536. fp32 rows already move 64 KiB per CTA and row.
+  if constexpr (sizeof(T) == 2 && Op::kParams == 0) {
+    if (vecs > cta_vecs) {
+      if (const int cluster = cluster_for(Stashed{}))
+        return launch_caching<Op, T, VEC, kCtaNV, RowPath::kStashed>(x, layout, op, cluster,
+                                                                     device, dev.sm_count, stream);
+    }
   }
-  return launch_caching<Op, T, VEC, kCtaNV>(x, layout, op, cluster, device, dev.sm_count, stream);
+  if (const int cluster = cluster_for(Registers{}))
+    return launch_caching<Op, T, VEC, kCtaNV, RowPath::kCluster>(x, layout, op, cluster, device,
+                                                                 dev.sm_count, stream);
+  return launch_row_kernel<Op, T, VEC, kStreamRegs / VEC, RowPath::kStream>(
+      x, layout, op, kMaxThreads, kMaxThreads, 1, device, dev.sm_count, stream);
 }
 
 }  // namespace mti
