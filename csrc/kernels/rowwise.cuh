@@ -446,9 +446,15 @@ constexpr int held_steps(RowPath path) { return path == RowPath::kStashed ? 2 : 
 // register cap follows (128 per thread for 2, 80 for 3). More CTAs keep more rows in flight:
 // with 3, H100 bf16 LayerNorm at N = 256-1024 ran 4-5% faster. Only 16-bit rows of at most
 // kWarpRegs values per thread take 3: longer rows need the registers, and fp32 rows (accurate
-// exp, LayerNorm's TwoSum) spilled on some architectures.
+// exp, LayerNorm's TwoSum) spilled on some architectures. A stashed CTA's 64 KiB of shared
+// memory leave room for one per SM where an SM has less than 164 KiB (sm_75, sm_86, sm_89),
+// which then takes the registers of two (with the cap of two, bf16 softmax with an additive
+// mask spilled on sm_86).
 template <typename T>
-__host__ __device__ constexpr int min_ctas_per_sm(int values) {
+__host__ __device__ constexpr int min_ctas_per_sm(int values, RowPath path) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 800 && __CUDA_ARCH__ < 900
+  if (path == RowPath::kStashed) return 1;
+#endif
   return sizeof(T) == 2 && values <= kWarpRegs ? 3 : 2;
 }
 
@@ -487,7 +493,7 @@ int params_to_cache(const ColumnParams<T, K>& params) {
 // memory) and read from there in every row's write loop, the others from global memory (see
 // ParamReader). The stashed steps follow them.
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
-__global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV))
+__global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPath))
     row_kernel(T* __restrict__ x, const RowLayout layout, const Op op, const int tpr,
                const int cluster) {
   using State = typename Op::State;
