@@ -345,10 +345,8 @@ def bench_group(spec, dtype, n, args, device, compiled, clone_cache, records) ->
 
 def median_records(runs: list[list[dict]]) -> list[dict]:
     """Per (op, variant, dtype, pass, N, impl), the record with the median time over the runs
-    (the lower middle one of an even count). A backward's timed call includes autograd's host
-    time, and single sweeps on the H100 machine had a few cells 1.3-3x slow where the host
-    slowed down (log_softmax_ fp16 N = 16384 backward: 0.51 ms where the runs before and after
-    measured 0.16-0.17 ms)."""
+    (the lower middle one of an even count), against a cell that one sweep measured in a bad
+    moment."""
     by_key: dict[tuple, list[dict]] = {}
     for run in runs:
         for r in run:
