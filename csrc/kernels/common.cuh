@@ -1,4 +1,5 @@
-// Small device helpers shared by every kernel in csrc/kernels/ (no torch here).
+// Small helpers shared by every kernel in csrc/kernels/ (no torch here): device code, and the
+// launchers' cluster attribute.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -100,6 +101,16 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
+}
+
+// The launch attribute that groups a 1-D grid into clusters of `cluster` CTAs (sm_90+).
+inline cudaLaunchAttribute cluster_dims(int cluster) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  return attr;
 }
 
 }  // namespace mti

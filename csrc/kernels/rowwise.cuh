@@ -690,11 +690,7 @@ int occupancy_units(Kernel kernel, int threads, int cluster, size_t smem, int sm
     config.gridDim = dim3(cluster);
     config.blockDim = dim3(threads);
     config.dynamicSmemBytes = smem;
-    cudaLaunchAttribute dims;
-    dims.id = cudaLaunchAttributeClusterDimension;
-    dims.val.clusterDim.x = cluster;
-    dims.val.clusterDim.y = 1;
-    dims.val.clusterDim.z = 1;
+    cudaLaunchAttribute dims = cluster_dims(cluster);
     config.attrs = &dims;
     config.numAttrs = 1;
     if (cudaOccupancyMaxActiveClusters(&units, kernel, &config) != cudaSuccess) units = 0;
@@ -745,11 +741,7 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = row_smem_bytes<T, VEC, NV, kPath, kCached>(threads);
   config.stream = stream;
-  cudaLaunchAttribute dims;
-  dims.id = cudaLaunchAttributeClusterDimension;
-  dims.val.clusterDim.x = cluster;
-  dims.val.clusterDim.y = 1;
-  dims.val.clusterDim.z = 1;
+  cudaLaunchAttribute dims = cluster_dims(cluster);
   config.attrs = &dims;
   config.numAttrs = cluster > 1 ? 1 : 0;
   const cudaError_t err =

@@ -993,11 +993,7 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     config.dynamicSmemBytes = static_cast<size_t>(resident_backward_smem(
         kPath, VEC, NV, l.shape.threads, kParams, kCache ? Op::kColumnValues : 0));
     config.stream = stream;
-    cudaLaunchAttribute dims;
-    dims.id = cudaLaunchAttributeClusterDimension;
-    dims.val.clusterDim.x = static_cast<unsigned>(l.shape.cluster);
-    dims.val.clusterDim.y = 1;
-    dims.val.clusterDim.z = 1;
+    cudaLaunchAttribute dims = cluster_dims(l.shape.cluster);
     config.attrs = &dims;
     config.numAttrs = l.shape.cluster > 1 ? 1 : 0;
     const cudaError_t err =

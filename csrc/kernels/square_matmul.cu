@@ -1256,11 +1256,7 @@ cudaError_t stream_config(size_t smem, int cluster, int64_t row_blocks, cudaStre
                                          static_cast<int>(smem));
   if (err == cudaSuccess && cluster > 8)
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  *attr = {};
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr->val.clusterDim.y = 1;
-  attr->val.clusterDim.z = 1;
+  *attr = cluster_dims(cluster);
   *cfg = {};
   cfg->blockDim = dim3(Tile::THREADS);
   cfg->dynamicSmemBytes = smem;
