@@ -225,22 +225,20 @@ struct StagedVectors {
 // Where write_vectors() reads param i of a thread's vector k (at column c0) from: for the
 // first kCached of the thread's K * NV param vectors, in the order (i, k), its slots in shared
 // memory (see cache_param), vector k of param i at slots[(i * NV + k) * stride]; for the
-// others global memory, or their value if absent. NV counts every vector the thread holds of
-// a row; a step of them starts at vector `first`.
+// others global memory, or their value if absent.
 template <int NV, int VEC, typename T, int K, int kCached>
 struct ParamReader {
   const ColumnParams<T, K>& params;
   const Packed<T, VEC>* slots;
   int stride;
-  int first;  // the thread's vector that is vector 0 of the step (RowPath::kStashed)
   template <typename Col>
   __device__ __forceinline__ ParamValues<K, VEC> operator()(int k, Col c0) const {
     ParamValues<K, VEC> p;
     if constexpr (K > 0) {
 #pragma unroll
       for (int i = 0; i < K; ++i) {
-        if (i * NV + first + k < kCached) {
-          to_floats(p.v[i], slots[(i * NV + first + k) * stride]);
+        if (i * NV + k < kCached) {
+          to_floats(p.v[i], slots[(i * NV + k) * stride]);
         } else if (params.ptr[i] != nullptr) {
           to_floats(p.v[i], load_vec<VEC>(params.ptr[i], c0, 1));
         } else {
@@ -485,13 +483,13 @@ int params_to_cache(const ColumnParams<T, K>& params) {
 // (softmax 0.87 -> 0.85, LayerNorm 0.86 -> 0.81) and for RMSNorm at every N (0.93 -> 0.84).
 //
 // kStashed is kCluster with a CTA's run twice as long (kMaxThreads * NV * 2 vectors), which
-// each thread reads and reduces as two steps, the first parked in shared memory meanwhile.
+// each thread reads and reduces as two steps, the first parked in shared memory meanwhile
+// (after the cached params, which launch_rows gives it none of).
 //
 // kCached (ops with Op::kParams; not on the streaming path): the first kCached of the
-// thread's param vectors (NV * held_steps(kPath) per param, param 0's first; their value where
-// absent) are copied into shared memory once (cache_param, row_smem_bytes() of dynamic shared
-// memory) and read from there in every row's write loop, the others from global memory (see
-// ParamReader). The stashed steps follow them.
+// thread's param vectors (NV per param, param 0's first; their value where absent) are copied
+// into shared memory once (cache_param, row_smem_bytes() of dynamic shared memory) and read
+// from there in every row's write loop, the others from global memory (see ParamReader).
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
 __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPath))
     row_kernel(T* __restrict__ x, const RowLayout layout, const Op op, const int tpr,
@@ -504,6 +502,8 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPat
   constexpr int kHeldNV = NV * kSteps;  // vectors a thread holds of a row
   constexpr int kStride = kClusterRows ? kMaxThreads : 0;
   static_assert(kCached == 0 || !kStream, "a streamed row's columns change from step to step");
+  // ParamReader knows one step of a thread's vectors; launch_rows stashes no op with params.
+  static_assert(Op::kParams == 0 || kSteps == 1, "a stashed row's params span its steps");
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
   using Cursor = StepCursor<Col, kStride>;
@@ -535,16 +535,14 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPat
   constexpr int kStashSlots = NV * VEC / 4;  // float4s per stashed step and thread
   if constexpr (kCached > 0) {
 #pragma unroll
-    for (int i = 0; i * kHeldNV < kCached; ++i)
-      cache_param(param_slots + i * kHeldNV * blockDim.x, static_cast<int>(blockDim.x),
-                  std::min(kHeldNV, kCached - i * kHeldNV), op.params.ptr[i],
-                  op.params.absent[i], Cursor{t, lane_group}, static_cast<Col>(layout.n));
+    for (int i = 0; i * NV < kCached; ++i)
+      cache_param(param_slots + i * NV * blockDim.x, static_cast<int>(blockDim.x),
+                  std::min(NV, kCached - i * NV), op.params.ptr[i], op.params.absent[i],
+                  Cursor{t, lane_group}, static_cast<Col>(layout.n));
     cp_async_commit();
   }
-  const auto step_params = [&](int s) {  // where the params of the thread's step s are
-    return ParamReader<kHeldNV, VEC, T, Op::kParams, kCached>{
-        op.params, param_slots, static_cast<int>(blockDim.x), s * NV};
-  };
+  const ParamReader<NV, VEC, T, Op::kParams, kCached> params{op.params, param_slots,
+                                                             static_cast<int>(blockDim.x)};
   unsigned rows_done = 0;  // by this thread: picks the reduction buffers
   for (int64_t g = blockIdx.x / cluster; g < row_groups; g += group_stride) {
     const int64_t r = g * rows_per_cta + sub_row;
@@ -595,14 +593,14 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPat
       for (Col s = 0; s < steps; ++s) {
         const Cursor at{s * step_vecs + t, lane_group};
         const State chunk = read_step<kPerWarp>(z, op, from_global, rc, at, load_end, end);
-        write_step(z, op, op.out(fin, chunk), step_params(0), row, at, col_stride, end);
+        write_step(z, op, op.out(fin, chunk), params, row, at, col_stride, end);
       }
     } else {
       if constexpr (kCached > 0) cp_async_wait<0>();  // the cached params are in
 #pragma unroll
       for (int s = kSteps - 1; s >= 0; --s) {
         if (s < kSteps - 1) unstash_step(z, stash + s * kStashSlots * blockDim.x, blockDim.x);
-        write_step(z, op, op.out(fin, held[s]), step_params(s), row,
+        write_step(z, op, op.out(fin, held[s]), params, row,
                    Cursor{t + s * NV * lane_group, lane_group}, col_stride, end);
       }
     }
@@ -768,13 +766,12 @@ constexpr int fewer_cached(int cached, int nv) {
 // over the rows (launch_row_kernel). With them cached fp32 LayerNorm at N = 256-1024 ran 2-3%
 // slower; at N = 2048-4096 a CTA per row reading its params from L1 ran at 0.97-0.99x of a copy
 // (fp32) and 0.96-0.97x (bf16), cached 0.89x and 0.91-0.93x.
-template <class Op, typename T, int VEC, int NV, RowPath kPath,
-          int kCached = Op::kParams * NV * held_steps(kPath)>
+template <class Op, typename T, int VEC, int NV, int kCached = Op::kParams * NV>
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
                            int sm_count, cudaStream_t stream) {
-  constexpr int kHeldNV = NV * held_steps(kPath);
+  constexpr RowPath kPath = RowPath::kCluster;
   if constexpr (kCached > 0) {
-    const int units = params_to_cache(op.params) * kHeldNV >= kCached
+    const int units = params_to_cache(op.params) * NV >= kCached
                           ? resident_units<Op, T, VEC, NV, kPath, kCached>(device, kMaxThreads,
                                                                            cluster, sm_count)
                           : 0;
@@ -782,8 +779,8 @@ cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int clus
         units >= resident_units<Op, T, VEC, NV, kPath, 0>(device, kMaxThreads, cluster, sm_count))
       return launch_row_kernel<Op, T, VEC, NV, kPath, kCached>(
           x, layout, op, kMaxThreads, kMaxThreads, cluster, device, sm_count, stream);
-    return launch_caching<Op, T, VEC, NV, kPath, fewer_cached(kCached, kHeldNV)>(
-        x, layout, op, cluster, device, sm_count, stream);
+    return launch_caching<Op, T, VEC, NV, fewer_cached(kCached, NV)>(x, layout, op, cluster,
+                                                                     device, sm_count, stream);
   } else {
     return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,
                                                     cluster, device, sm_count, stream);
@@ -889,13 +886,13 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   if constexpr (sizeof(T) == 2 && Op::kParams == 0) {
     if (vecs > cta_vecs) {
       if (const int cluster = cluster_for(Stashed{}))
-        return launch_caching<Op, T, VEC, kCtaNV, RowPath::kStashed>(x, layout, op, cluster,
-                                                                     device, dev.sm_count, stream);
+        return launch_row_kernel<Op, T, VEC, kCtaNV, RowPath::kStashed>(
+            x, layout, op, kMaxThreads, kMaxThreads, cluster, device, dev.sm_count, stream);
     }
   }
   if (const int cluster = cluster_for(Registers{}))
-    return launch_caching<Op, T, VEC, kCtaNV, RowPath::kCluster>(x, layout, op, cluster, device,
-                                                                 dev.sm_count, stream);
+    return launch_caching<Op, T, VEC, kCtaNV>(x, layout, op, cluster, device, dev.sm_count,
+                                              stream);
   return launch_row_kernel<Op, T, VEC, kStreamRegs / VEC, RowPath::kStream>(
       x, layout, op, kMaxThreads, kMaxThreads, 1, device, dev.sm_count, stream);
 }
