@@ -8,15 +8,17 @@
 // group owns the row's vectors t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring
 // vectors at a time), NV of them per step; in a cluster, CTA `rank` owns the rank-th run of
 // kMaxThreads * NV vectors. The grid strides over groups of rows (clusters).
-//  - Path::kRegisters: rows that a CTA holds in registers, one step, read once. Vector rows
-//    (16-byte accesses, see below) are prefetched: the thread's vectors of its next row are
-//    copied into shared memory (cp.async) while the current row is reduced and written.
-//  - Path::kShared: longer vector rows, each thread's vectors of y and dy copied into shared
-//    memory (cp.async), reduced from there vector by vector and grad_x computed from the same
-//    copy, so y and dy are read from DRAM once; on sm_90+ a cluster of CTAs holds a row. Two
-//    buffers: the next row's vectors are on their way while the current row is reduced and
-//    written. Slower than registers where those hold the row (measured 5-15% on an H100 at
-//    0794bd0: a shared memory read per vector and pass, and half the rows in flight).
+//  - Path::kRegisters: rows that a CTA holds in registers, one step, read once; softmax's
+//    longer vector rows too (but 16-bit log_softmax's), held by a cluster's registers. Vector
+//    rows (16-byte accesses, see below) are prefetched: the thread's vectors of its next row
+//    are copied into shared memory (cp.async) while the current row is reduced and written.
+//  - Path::kShared: other longer vector rows, each thread's vectors of y and dy copied
+//    into shared memory (cp.async), reduced from there vector by vector and grad_x computed
+//    from the same copy, so y and dy are read from DRAM once; on sm_90+ a cluster of CTAs
+//    holds a row. Two buffers: the next row's vectors are on their way while the current row
+//    is reduced and written. Slower than registers where those hold the row (measured 5-15%
+//    on an H100 at 0794bd0: a shared memory read per vector and pass, and half the rows in
+//    flight).
 //  - Path::kStream: rows longer than a cluster holds; a first pass over the steps reduces, a
 //    second reads y and grad again (from L2 where the row is still there) and writes.
 // With every col_stride 1, 16-byte aligned rows (and mask rows, weight, bias) and n a multiple
@@ -135,6 +137,15 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   using MaskT = typename Rows::template MaskOf<T>;
   static constexpr bool kHasParams = false;
   static constexpr int kResidentElems = kSoftmaxElems;
+  // Rows past a CTA's registers: held by a cluster's registers (Path::kRegisters) where
+  // cluster_registers() says so, else staged in shared memory (Path::kShared). H100, 2^26
+  // elements, ratio to clone-equivalent bandwidth at N = 16384-65536, shared -> registers:
+  // 16-bit softmax_ 0.80-0.85 -> 0.83-0.87, fp32 softmax_ and log_softmax_ 0.80-0.87 ->
+  // 0.84-0.89, and fp32 rows of 131072, which no cluster's shared memory holds, 0.59 -> 0.78
+  // instead of streamed; but 16-bit log_softmax_, which computes exp(y) in both passes, lost
+  // 2-7% at 32768-131072. (The norms lost more: see NormBackwardOp.)
+  static constexpr bool kClusterRegisters = true;
+  bool cluster_registers() const { return sizeof(T) == 4 || !log; }
   static constexpr int kColumnValues = 0;
   template <Path>
   static constexpr bool kCacheColumns = false;
@@ -209,6 +220,11 @@ struct NormBackwardOp {
   using State = Sum2<float>;  // sum(g_hat), sum(g_hat * x_hat) = sum(grad * t)
   static constexpr bool kHasParams = true;
   static constexpr int kResidentElems = kParamElems;
+  // Rows past a CTA's registers take Path::kShared. Held by a cluster's registers instead
+  // (as softmax's are), fp32 rows measured 9-19% slower at N = 8192-65536 (H100; fp32 caches
+  // no columns on that path, see kCacheColumns, and that kernel then spilled 8 bytes) and
+  // 16-bit ones within 2% of the shared path.
+  static constexpr bool kClusterRegisters = false;
   // Per column, as floats: the weight and the bias (1 and 0 where absent) and for 16-bit
   // types the weight's approximate reciprocal (0 where the weight is 0; fp32 divides, see
   // grad()); see columns(). Cached (see backward_kernel's kCache) for 16-bit types, and for
@@ -398,6 +414,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   constexpr bool kStream = kPath == Path::kStream;
   constexpr bool kShared = kPath == Path::kShared;
   static_assert(!kShared || VEC > 1, "the shared path stages 16-byte vectors");
+  // Whether a row may span a cluster's CTAs here (the launcher gives the others cluster == 1).
+  constexpr bool kClusters = kShared || (kPath == Path::kRegisters && Op::kClusterRegisters);
   // Register rows whose next row is prefetched into shared memory.
   constexpr bool kPrefetch = staging_buffers(kPath, VEC) == 1;
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
@@ -410,8 +428,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   const int t = static_cast<int>(threadIdx.x) % group;
   const int rows_per_cta = static_cast<int>(blockDim.x) / group;
   const int sub_row = static_cast<int>(threadIdx.x) / group;
-  // Clusters exist only on the shared path: the launcher gives the others cluster == 1.
-  const int ctas = kShared ? cluster : 1;
+  const int ctas = kClusters ? cluster : 1;
   const int rank = static_cast<int>(blockIdx.x) % ctas;
   const int64_t n = L.y.n;
   const int64_t ycs = VEC == 1 ? L.y.col_stride : 1;
@@ -510,7 +527,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     else
       return op.template columns<VEC>(c0);
   };
-  if constexpr (kShared) {
+  if constexpr (kClusters) {
     if (cluster > 1) {
       cluster_exchange_init(exchange);
       cluster_sync();
@@ -586,7 +603,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     if (cta_rows)
       total = cta_allreduce(total, warp_totals[rows_done % 2], sub_row * (group / kWarpSize),
                             group / kWarpSize);
-    if constexpr (kShared) {
+    if constexpr (kClusters) {
       if (cluster > 1) total = cluster_allreduce(total, exchange, rows_done, rank, cluster);
     }
     ++rows_done;
@@ -667,7 +684,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     if (part_b) write_sums(acc_b, part_b);
   }
   // No CTA leaves while another may still send it a total.
-  if constexpr (kShared) {
+  if constexpr (kClusters) {
     if (cluster > 1) cluster_sync();
   }
 }
@@ -792,17 +809,18 @@ __global__ void __launch_bounds__(kMaxThreads)
 // ---------------------------------------------------------------------------- host side
 
 // The path, threads per row group and CTA, and CTAs per row, for rows of `vecs` vectors:
-// registers (reg_nv vectors per thread) where a CTA's hold the row, else shared memory
-// (shared_nv per thread) in as few CTAs as hold it, up to `max_cluster` (0: no shared path),
-// else streamed.
+// registers (reg_nv vectors per thread) where a CTA's hold the row, else (cluster_registers)
+// the registers of as few CTAs as hold it or (otherwise) their shared memory (shared_nv per
+// thread), up to `max_cluster` CTAs (0: neither), else streamed.
 struct Shape {
   int threads = 0;  // CTA size
   int tpr = 0;      // threads per row (a divisor of threads; on a cluster, the CTA's share)
-  int cluster = 1;  // CTAs per row: > 1 only on the shared path on sm_90+
+  int cluster = 1;  // CTAs per row: > 1 only on sm_90+
   Path path = Path::kRegisters;
 };
 
-Shape pick_shape(int64_t vecs, int reg_nv, int shared_nv, int max_cluster) {
+Shape pick_shape(int64_t vecs, int reg_nv, int shared_nv, int max_cluster,
+                 bool cluster_registers) {
   Shape s;
   if (vecs <= int64_t{kWarpSize} * reg_nv) {
     // The fewest lanes that hold the row: more bytes in flight per thread, fewer shuffles.
@@ -820,10 +838,11 @@ Shape pick_shape(int64_t vecs, int reg_nv, int shared_nv, int max_cluster) {
   // As few full CTAs as hold the row (any count: a power of two would leave up to half of
   // them idle), or streamed.
   s.threads = s.tpr = kMaxThreads;
-  const int64_t ctas = ceil_div(vecs, int64_t{kMaxThreads} * shared_nv);
+  const int64_t ctas =
+      ceil_div(vecs, int64_t{kMaxThreads} * (cluster_registers ? reg_nv : shared_nv));
   if (ctas <= max_cluster) {
     s.cluster = static_cast<int>(ctas);
-    s.path = Path::kShared;
+    s.path = cluster_registers ? Path::kRegisters : Path::kShared;
   } else {
     s.path = Path::kStream;
   }
@@ -873,7 +892,7 @@ struct Launch {
 // that the scratch stays within its bound.
 template <class Op, typename T>
 Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int device,
-                   const DeviceInfo& dev) {
+                   const DeviceInfo& dev, bool cluster_registers = false) {
   const int sm_count = dev.sm_count;
   Launch l;
   const int64_t n = L.y.n;
@@ -882,7 +901,8 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   const bool params = param_arrays > 0;
   l.shape = pick_shape(ceil_div(n, vec), path_nv<Op>(Path::kRegisters, vec, params),
                        path_nv<Op>(Path::kShared, vec, params),
-                       !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1);
+                       !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1,
+                       Op::kClusterRegisters && cluster_registers);
   // Row groups (CTAs or clusters) the grid may hold.
   int64_t max_units = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
   if (l.shape.path != Path::kStream) {
@@ -1046,7 +1066,7 @@ cudaError_t launch_softmax_masked(const T* y, const T* dy, T* dx, const Backward
   if (err != cudaSuccess) return err;
   const bool aligned =
       all_rows_aligned(y, dy, dx, L, sizeof(T)) && op.template mask_vectors_aligned<T>();
-  const Launch l = plan_launch<Op, T>(L, aligned, 0, device, dev);
+  const Launch l = plan_launch<Op, T>(L, aligned, 0, device, dev, op.cluster_registers());
   return launch_paths(y, dy, dx, L, op, l, Partials{nullptr, nullptr}, stream);
 }
 
