@@ -8,10 +8,11 @@
 // group owns the row's vectors t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring
 // vectors at a time), NV of them per step; in a cluster, CTA `rank` owns the rank-th run of
 // kMaxThreads * NV vectors. The grid strides over groups of rows (clusters).
-//  - Path::kRegisters: rows that a CTA holds in registers, one step, read once; softmax's
-//    longer vector rows too (but 16-bit log_softmax's), held by a cluster's registers. Vector
-//    rows (16-byte accesses, see below) are prefetched: the thread's vectors of its next row
-//    are copied into shared memory (cp.async) while the current row is reduced and written.
+//  - Path::kRegisters: rows that a CTA holds in registers, one step, read once. Vector rows
+//    (16-byte accesses, see below) are prefetched: the thread's vectors of its next row are
+//    copied into shared memory (cp.async) while the current row is reduced and written.
+//  - Path::kRegisterCluster: the same for softmax's longer vector rows (but 16-bit
+//    log_softmax's), held by the registers of a cluster of CTAs on sm_90+.
 //  - Path::kShared: other longer vector rows, each thread's vectors of y and dy copied
 //    into shared memory (cp.async), reduced from there vector by vector and grad_x computed
 //    from the same copy, so y and dy are read from DRAM once; on sm_90+ a cluster of CTAs
@@ -50,7 +51,9 @@ namespace mti {
 namespace {
 
 // The backward kernel's paths (see the top of the file).
-enum class Path { kRegisters, kShared, kStream };
+// kRegisterCluster is kRegisters compiled with the cluster reduction, which costs the
+// single-CTA kernels 4-10 registers (sm_90a).
+enum class Path { kRegisters, kRegisterCluster, kShared, kStream };
 
 // Elements (Path::kRegisters) or vectors (Path::kShared) per thread. Registers: softmax's y
 // and grad take 32 registers each in fp32 (16-bit types would fit 64 elements there, but
@@ -74,6 +77,7 @@ constexpr int path_nv(Path path, int vec, bool params) {
   if (vec == 1) return kScalarNV;
   switch (path) {
     case Path::kRegisters:
+    case Path::kRegisterCluster:
       return (params ? kParamElems : Op::kResidentElems) / vec;
     case Path::kShared:
       return (params || Op::template kCacheColumns<Path::kShared>) &&
@@ -137,7 +141,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   using MaskT = typename Rows::template MaskOf<T>;
   static constexpr bool kHasParams = false;
   static constexpr int kResidentElems = kSoftmaxElems;
-  // Rows past a CTA's registers: held by a cluster's registers (Path::kRegisters) where
+  // Rows past a CTA's registers: held by a cluster's registers (Path::kRegisterCluster) where
   // cluster_registers() says so, else staged in shared memory (Path::kShared). H100, 2^26
   // elements, ratio to clone-equivalent bandwidth at N = 16384-65536, shared -> registers:
   // 16-bit softmax_ 0.80-0.85 -> 0.83-0.87, fp32 softmax_ and log_softmax_ 0.80-0.87 ->
@@ -351,7 +355,10 @@ struct Partials {
 // memory (see there): two on the shared path, one for the register path's prefetch of vector
 // rows, none for scalar or streamed rows.
 __host__ __device__ constexpr int staging_buffers(Path path, int vec) {
-  return vec == 1 ? 0 : path == Path::kShared ? 2 : path == Path::kRegisters ? 1 : 0;
+  if (vec == 1) return 0;
+  return path == Path::kShared ? 2
+         : path == Path::kRegisters || path == Path::kRegisterCluster ? 1
+                                                                       : 0;
 }
 
 // A thread's column values (K arrays of VEC floats per vector it owns, see NormBackwardOp::
@@ -415,7 +422,9 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   constexpr bool kShared = kPath == Path::kShared;
   static_assert(!kShared || VEC > 1, "the shared path stages 16-byte vectors");
   // Whether a row may span a cluster's CTAs here (the launcher gives the others cluster == 1).
-  constexpr bool kClusters = kShared || (kPath == Path::kRegisters && Op::kClusterRegisters);
+  constexpr bool kClusters = kShared || kPath == Path::kRegisterCluster;
+  static_assert(kPath != Path::kRegisterCluster || Op::kClusterRegisters,
+                "the op keeps its rows in shared memory");
   // Register rows whose next row is prefetched into shared memory.
   constexpr bool kPrefetch = staging_buffers(kPath, VEC) == 1;
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
@@ -842,7 +851,7 @@ Shape pick_shape(int64_t vecs, int reg_nv, int shared_nv, int max_cluster,
       ceil_div(vecs, int64_t{kMaxThreads} * (cluster_registers ? reg_nv : shared_nv));
   if (ctas <= max_cluster) {
     s.cluster = static_cast<int>(ctas);
-    s.path = cluster_registers ? Path::kRegisters : Path::kShared;
+    s.path = cluster_registers ? Path::kRegisterCluster : Path::kShared;
   } else {
     s.path = Path::kStream;
   }
@@ -872,6 +881,7 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
 }
 
 using Registers = std::integral_constant<Path, Path::kRegisters>;
+using RegisterCluster = std::integral_constant<Path, Path::kRegisterCluster>;
 using Shared = std::integral_constant<Path, Path::kShared>;
 
 // How a backward pass is launched: the vector width, the thread shape and the grid.
@@ -924,6 +934,8 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
           return resident_backward_units<Op, T, kVec<T>, kPath, kParams, kCache>(
               device, threads, cluster, sm_count);
       };
+      if constexpr (Op::kClusterRegisters)
+        if (l.shape.path == Path::kRegisterCluster) return on(RegisterCluster{});
       return l.shape.path == Path::kShared ? on(Shared{}) : on(Registers{});
     };
     // The cache where it costs no occupancy (its shared memory may leave fewer CTAs per SM).
@@ -1029,6 +1041,9 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
         if (l.shape.path == Path::kRegisters) return resident(Registers{}, std::true_type{});
     }
     if (l.shape.path == Path::kShared) return resident(Shared{}, std::false_type{});
+    if constexpr (Op::kClusterRegisters)
+      if (l.shape.path == Path::kRegisterCluster)
+        return resident(RegisterCluster{}, std::false_type{});
   }
   return resident(Registers{}, std::false_type{});
 }
