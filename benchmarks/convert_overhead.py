@@ -16,11 +16,13 @@ inputs every call, so a compiled one stays on its steady-state path:
 
 Median microseconds per call over --rounds rounds of --calls calls each, variants taking turns
 so that drift of the host's speed hits each alike. On the CPU by default, with one thread;
-with --device cuda, each round ends with a synchronize, and at these sizes the GPU keeps up,
-so the numbers are host time there too.
+with --device cuda, each round ends with a synchronize, and at the default sizes the GPU keeps
+up, so the numbers are host time there too. bench_e2e's block (hidden 2048, bf16) keeps the
+GPU busy longer than the host at seq 512 in fp32 (1.3 ms a call on an H100, all variants
+alike); with --dtype bfloat16 and a short --seq it shows that block's host time on a GPU.
 
     python benchmarks/convert_overhead.py [--hidden 64] [--seq 4] [--attn sdpa] [--no-grad]
-                                          [--device cpu|cuda]
+                                          [--device cpu|cuda] [--dtype float32|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -56,13 +58,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4)
     parser.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--no-grad", action="store_true", help="torch.no_grad, not inference_mode")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # host-bound shapes: threads add only noise
-    device, dtype = torch.device(args.device), torch.float32
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     size = Size(hidden=args.hidden, heads=args.heads, layers=1, max_seq=args.seq)
     model = build("block", args.attn, size, device, dtype)
     inputs = make_inputs("block", 1, args.seq, size, device, dtype)
@@ -114,7 +117,7 @@ def main() -> None:
             for name, fn in variants.items():
                 times[name].append(per_call_us(fn, args.calls, device))
     print(
-        f"block {args.attn}, hidden {args.hidden}, seq {args.seq}, "
+        f"block {args.attn}, hidden {args.hidden}, seq {args.seq}, {args.dtype}, "
         f"{'no_grad' if args.no_grad else 'inference_mode'}, {env_info()['device']}, "
         f"torch {torch.__version__}"
     )
