@@ -146,8 +146,9 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // elements, ratio to clone-equivalent bandwidth at N = 16384-65536, shared -> registers:
   // 16-bit softmax_ 0.80-0.85 -> 0.83-0.87, fp32 softmax_ and log_softmax_ 0.80-0.87 ->
   // 0.84-0.89, and fp32 rows of 131072, which no cluster's shared memory holds, 0.59 -> 0.78
-  // instead of streamed; but 16-bit log_softmax_, which computes exp(y) in both passes, lost
-  // 2-7% at 32768-131072. (The norms lost more: see NormBackwardOp.)
+  // instead of streamed; but 16-bit log_softmax_ (which alone computes exp(y), in both
+  // passes; why registers cost it was not found) lost 1-7% at 32768-131072. (The norms lost
+  // more: see NormBackwardOp.)
   static constexpr bool kClusterRegisters = true;
   bool cluster_registers() const { return sizeof(T) == 4 || !log; }
   static constexpr int kColumnValues = 0;
