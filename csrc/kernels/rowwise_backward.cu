@@ -353,13 +353,11 @@ struct Partials {
 };
 
 // Staging buffers of y's and dy's vectors that backward_kernel's `path` keeps in shared
-// memory (see there): two on the shared path, one for the register path's prefetch of vector
+// memory (see there): two on the shared path, one for the register paths' prefetch of vector
 // rows, none for scalar or streamed rows.
 __host__ __device__ constexpr int staging_buffers(Path path, int vec) {
-  if (vec == 1) return 0;
-  return path == Path::kShared ? 2
-         : path == Path::kRegisters || path == Path::kRegisterCluster ? 1
-                                                                       : 0;
+  if (vec == 1 || path == Path::kStream) return 0;
+  return path == Path::kShared ? 2 : 1;
 }
 
 // A thread's column values (K arrays of VEC floats per vector it owns, see NormBackwardOp::
