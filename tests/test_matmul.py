@@ -123,6 +123,25 @@ def test_zero_workspace_cluster_shapes(dtype, m, k):
                          with_bias=with_bias, mode="none")
 
 
+# Shapes for the default path's handshake kernel (sm_90a builds on sm_90, 16-bit, rows evenly
+# spaced; CTAs write their tiles over x once every CTA of the same 128 rows has read them):
+# M of no tile size; K a multiple of 8 but not of 64 or 256 (the last k step and column tile
+# part outside W); row blocks of 1 (K = 8) to 33 (K = 8200) column tiles, which the grid of
+# an H100 (132 CTAs) holds 132, 126 (K = 1784: 7 tiles) or 99 (33 tiles) of; rows a pitch
+# of 2K apart. Elsewhere these run the cuBLAS path, which they test as well.
+@requires_cuda
+@pytest.mark.parametrize("m,k,layout", [
+    (8209, 1032, "contiguous"), (4100, 2568, "contiguous"), (5000, 3080, "every_other_row"),
+    (700, 8192, "contiguous"), (8209, 744, "contiguous"), (4100, 1784, "every_other_row"),
+    (100003, 8, "contiguous"), (2050, 8200, "contiguous")], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_default_handshake_shapes(dtype, m, k, layout):
+    for transpose in (False, True):
+        for with_bias in (False, True):
+            check_matmul("cuda", dtype, (m,), k, seed=m + k, transpose=transpose,
+                         with_bias=with_bias, layout=layout)
+
+
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -236,20 +255,23 @@ def test_side_stream_copies_land_before_the_caller_stream_goes_on():
 
 
 @requires_cuda
+# The workspace of cuBLAS's chunks, in float32 where they are certain to run (on an H100, 16-bit
+# inputs of enough rows take the handshake kernel, whose workspace is an int per 128 rows).
 @pytest.mark.parametrize(
-    "rows, k, workspace_bytes",
-    [(64, 1024, None),  # one chunk: the GEMM's output, x's size, is all the extra memory
-     # (K = 2048: at K <= 1024 an H100 takes the zero-workspace kernel, with no workspace)
-     (16384, 2048, None),  # pipelined through two buffers within the default 64 MiB
-     (16384, 2048, 3 << 20),  # two buffers of 1 MiB (2 MiB + the allocator's 1 MiB slack)
-     (4096, 4096, (1 << 20) + 5),  # an odd budget: two buffers of 64 rows each
-     (6144, 4096, None)],  # 1.5 of the default's chunks: two of 3072 rows, not of 4096
+    "rows, k, workspace_bytes, dtype",
+    [(64, 1024, None, torch.bfloat16),  # one chunk: the GEMM's output, x's size, is all
+     (16384, 1024, None, torch.float32),  # pipelined through two buffers within 64 MiB
+     (16384, 1024, 3 << 20, torch.float32),  # two buffers of 1 MiB (+ the allocator's slack)
+     (4096, 2048, (1 << 20) + 5, torch.float32),  # an odd budget: two buffers of 64 rows each
+     (6144, 2048, None, torch.float32),  # 1.5 of the default's chunks: two of 3072 rows
+     (16384, 2048, None, torch.bfloat16),  # the handshake kernel on an H100: 512 bytes
+     (16384, 2048, 256, torch.bfloat16)],  # too little for its counters: no workspace
     ids=str)
-def test_peak_memory_within_the_workspace(rows, k, workspace_bytes):
+def test_peak_memory_within_the_workspace(rows, k, workspace_bytes, dtype):
     limit = mti.get_workspace_limit() if workspace_bytes is None else workspace_bytes
-    x = randn((rows, k), torch.bfloat16, "cuda", seed=48)
-    weight = randn((k, k), torch.bfloat16, "cuda", seed=49, scale=k**-0.5)
-    bias = randn((k,), torch.bfloat16, "cuda", seed=50)
+    x = randn((rows, k), dtype, "cuda", seed=48)
+    weight = randn((k, k), dtype, "cuda", seed=49, scale=k**-0.5)
+    bias = randn((k,), dtype, "cuda", seed=50)
 
     def op():
         mti.square_matmul_(x, weight, bias, transpose=True, workspace_bytes=workspace_bytes)

@@ -158,6 +158,17 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   // every path, before anything is written.
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
     using T = typename DeviceType<scalar_t>::type;
+    const int64_t budget = allocatable_bytes(workspace_bytes);
+    const int64_t counters = square_matmul_handshake_counters<T>(
+        device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight), plan.transpose);
+    if (counters > 0 && counters * static_cast<int64_t>(sizeof(int)) <= budget) {
+      const at::Tensor zeroed = at::zeros({counters}, x.options().dtype(at::kInt));
+      C10_CUDA_CHECK(square_matmul_handshake<T>(
+          device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
+          plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose,
+          zeroed.data_ptr<int>(), stream));
+      return;
+    }
     if (plan.k <= kWgmmaMaxK && plan.x.rows * plan.k * x.element_size() >= kChunkTargetBytes &&
         square_matmul_zero_ws_on_wgmma<T>(device_ptr<scalar_t>(x), plan.x,
                                           device_ptr<scalar_t>(plan.weight), plan.transpose)) {
@@ -165,7 +176,6 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
       return;
     }
     SideStreamCopies pipeline(at::cuda::getCurrentCUDAStream());
-    const int64_t budget = allocatable_bytes(workspace_bytes);
     // The zero-workspace kernel measured 0.8x torch.matmul's fp32 error there (H100).
     if (chunks_lose_accuracy(x, plan, budget, pipeline)) {
       int64_t max_k = 0;

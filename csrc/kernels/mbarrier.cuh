@@ -59,6 +59,13 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
 #endif
 }
 
+// Arrives on a barrier of this CTA (release at CTA scope, as mbar_arrive_cluster's).
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#if MTI_MBARRIER
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+#endif
+}
+
 // Waits until the phase of parity `parity` has completed (parity 1 passes at once on a
 // fresh barrier: its phase 0 is the one in progress).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {

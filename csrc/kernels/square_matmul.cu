@@ -135,8 +135,25 @@ __device__ __forceinline__ BlockWork block_work(const Args<T>& a) {
 template <typename T>
 __device__ __forceinline__ void store_out(const Args<T>& a, const int64_t* row_off, int nrows,
                                           int n, int j, float v) {
-  if (n < nrows && j < a.k)
-    a.x[row_off[n] + j] = from_float<T>(a.bias ? v + to_float(__ldg(a.bias + j)) : v);
+  if (n < nrows && j < a.k) a.x[row_off[n] + j] = from_float<T>(a.bias ? v + to_float(a.bias[j]) : v);
+}
+
+// W[g][c], or zero outside W. The load always reads inside W (its first element when
+// outside): __ldg of a 16-bit type is inline assembly, which the compiler may take for pure
+// and hoist above the bounds test.
+template <typename T>
+__device__ __forceinline__ T w_or_zero(const Args<T>& a, int g, int c) {
+  const bool in = g < a.k && c < a.k;
+  return in ? __ldg(a.w + (in ? static_cast<int64_t>(g) * a.k + c : 0)) : zero<T>();
+}
+
+// bias[j] and bias[j + 1], zeros without a bias or past K (which is even). Plain loads: __ldg
+// of a 16-bit type is inline assembly, which the compiler may take for pure and hoist above
+// the null test (the handshake kernel, so compiled, read address 0x12 on an H100).
+template <typename T>
+__device__ __forceinline__ float2 bias_pair(const Args<T>& a, int j) {
+  if (a.bias == nullptr || j >= a.k) return make_float2(0.f, 0.f);
+  return make_float2(to_float(a.bias[j]), to_float(a.bias[j + 1]));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -253,10 +270,7 @@ __device__ __forceinline__ void load_w_tile(const Args<T>& a, T* dst, int j0, in
   } else {
     for (int e = threadIdx.x; e < ROWS * COLS; e += Tile::THREADS) {
       const int r = e / COLS, col = e % COLS;
-      dst[w_index<COLS>(r, col)] =
-          g0 + r < a.k && c0 + col < a.k
-              ? __ldg(a.w + static_cast<int64_t>(g0 + r) * a.k + c0 + col)
-              : zero<T>();
+      dst[w_index<COLS>(r, col)] = w_or_zero(a, g0 + r, c0 + col);
     }
   }
 }
@@ -446,6 +460,22 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
+// A counter in global memory that orders CTAs of a grid (the handshake kernel): the add
+// releases the adding thread's earlier accesses at GPU scope (and, through the block
+// barrier before it, its block's), the load acquires the adds it sees.
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+#if __CUDA_ARCH__ >= 700
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v = 0;
+#if __CUDA_ARCH__ >= 700
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+#endif
+  return v;
+}
+
 // The streaming kernels' last step: the block's column tiles [ct_begin, ct_end) of its nrows
 // rows, parked at outs (pitch out_ld; all but the last) and in the stages (the last, pitch
 // Tile::LAST_LD), go over x, 16 bytes at a time, after a barrier that orders the reads of x
@@ -589,19 +619,14 @@ __device__ __forceinline__ void stream_body(const Args<T>& a) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int col = warp_c * NT * 8 + nt * 8 + 2 * q;
-      const int j = j0 + col;  // output column; K is even, so j + 1 < K too
-      float b0 = 0.f, b1 = 0.f;
-      if (a.bias && j < a.k) {
-        b0 = to_float(__ldg(a.bias + j));
-        b1 = to_float(__ldg(a.bias + j + 1));
-      }
+      const float2 b = bias_pair(a, j0 + col);  // K is even: j + 1 < K with j
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int m = (warp_r * MT + mt) * 16 + g;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           *reinterpret_cast<uint32_t*>(dst + (m + 8 * h) * ld + col) =
-              pack2<T>(acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
+              pack2<T>(acc[mt][nt][2 * h] + b.x, acc[mt][nt][2 * h + 1] + b.y);
           acc[mt][nt][2 * h] = acc[mt][nt][2 * h + 1] = 0.f;
         }
       }
@@ -728,6 +753,62 @@ struct TmaMaps {
   CUtensorMap w;
 };
 
+// Loads the (BK x BN) W tile of k [k0, k0 + BK) and output columns [j0, j0 + BN) into the W
+// part of the stage at shared address st, counted on barrier `full`: one box of W's rows j
+// when transposed, else BN / BK boxes of BK rows k by BK columns j.
+template <bool TRANS, class Tile>
+__device__ __forceinline__ void tma_load_w(uint32_t st, const TmaMaps& maps, int k0, int j0,
+                                           uint32_t full) {
+  constexpr int BN = Tile::BN, BK = Tile::BK;
+  const uint32_t wt = st + Tile::A_BYTES;
+  if constexpr (TRANS) {
+    tma_load_2d(wt, &maps.w, k0, j0, full);
+  } else {
+#pragma unroll
+    for (int b = 0; b < BN / BK; ++b)
+      tma_load_2d(wt + b * BK * kSwizzleBytes, &maps.w, j0 + BK * b, k0, full);
+  }
+}
+
+// Consumer warpgroup c's MMAs on the stage at shared address st (rows [64 c, 64 c + 64) of
+// its x tile by its W tile), added to acc unless this is a tile's first stage (accumulate
+// false), committed as one group.
+template <typename T, bool TRANS, class Tile>
+__device__ __forceinline__ void mma_stage(float (&acc)[128], uint32_t st, int c,
+                                          bool accumulate) {
+  constexpr int BK = Tile::BK, RB = kSwizzleBytes, ATOM = 8 * kSwizzleBytes;
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < BK / 16; ++s) {
+    // k16 step s: 32 bytes into x's (and transposed W's) rows, 16 rows into W's.
+    const uint64_t da = smem_desc(st + c * 64 * RB + s * 32, 16, ATOM);
+    const uint64_t db = TRANS ? smem_desc(st + Tile::A_BYTES + s * 32, 16, ATOM)
+                              : smem_desc(st + Tile::A_BYTES + s * 16 * RB, BK * RB, ATOM);
+    wgmma_m64n256k16<T, !TRANS>(acc, da, db, accumulate || s > 0);
+  }
+  wgmma_commit();
+}
+
+// Writes a consumer warpgroup's accumulators (wgmma_m64n256k16's layout) of output columns
+// [j0, j0 + BN), plus bias, as T: the thread's row m from out_m, its row m + 8 from out_m8
+// (each pointing at column j0; nullptr: the row does not exist). Columns past K are left.
+template <typename T, int BN>
+__device__ __forceinline__ void store_wgmma_tile(const Args<T>& a, const float (&acc)[128],
+                                                 int j0, T* out_m, T* out_m8) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) {
+    const int col = 8 * i + 2 * (lane % 4);  // K is even: j0 + col + 1 < K with j0 + col
+    if (j0 + col >= a.k) continue;
+    const float2 b = bias_pair(a, j0 + col);
+    if (out_m != nullptr)
+      *reinterpret_cast<uint32_t*>(out_m + col) = pack2<T>(acc[4 * i] + b.x, acc[4 * i + 1] + b.y);
+    if (out_m8 != nullptr)
+      *reinterpret_cast<uint32_t*>(out_m8 + col) =
+          pack2<T>(acc[4 * i + 2] + b.x, acc[4 * i + 3] + b.y);
+  }
+}
+
 template <typename T, bool TRANS, class Tile>
 __device__ __forceinline__ void wgmma_body(const Args<T>& a, const TmaMaps& maps) {
   constexpr int BM = Tile::BM, BN = Tile::BN, BK = Tile::BK, THREADS = Tile::THREADS;
@@ -789,14 +870,7 @@ __device__ __forceinline__ void wgmma_body(const Args<T>& a, const TmaMaps& maps
         else
           tma_load_2d(piece, &maps.x, k0, r0, full);
         if (!real) continue;
-        const uint32_t wt = st + Tile::A_BYTES;
-        if constexpr (TRANS) {
-          tma_load_2d(wt, &maps.w, k0, j0, full);
-        } else {
-#pragma unroll
-          for (int b = 0; b < BN / BK; ++b)
-            tma_load_2d(wt + b * BK * kSwizzleBytes, &maps.w, j0 + BK * b, k0, full);
-        }
+        tma_load_w<TRANS, Tile>(st, maps, k0, j0, full);
       }
     }
     __syncwarp();  // lane 0 rejoins its warp before the (warp-aligned) cluster barrier
@@ -812,19 +886,7 @@ __device__ __forceinline__ void wgmma_body(const Args<T>& a, const TmaMaps& maps
     float acc[128];
     // Parks the finished tile of output columns [j0, j0 + BN) at dst (pitch ld).
     auto park = [&](T* dst, int ld, int j0) {
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i) {
-        const int col = 8 * i + 2 * (lane % 4), j = j0 + col;  // K is even: j + 1 < K too
-        float b0 = 0.f, b1 = 0.f;
-        if (a.bias && j < a.k) {
-          b0 = to_float(__ldg(a.bias + j));
-          b1 = to_float(__ldg(a.bias + j + 1));
-        }
-        *reinterpret_cast<uint32_t*>(dst + m * ld + col) =
-            pack2<T>(acc[4 * i] + b0, acc[4 * i + 1] + b1);
-        *reinterpret_cast<uint32_t*>(dst + (m + 8) * ld + col) =
-            pack2<T>(acc[4 * i + 2] + b0, acc[4 * i + 3] + b1);
-      }
+      store_wgmma_tile<T, BN>(a, acc, j0, dst + m * ld, dst + (m + 8) * ld);
     };
     // One group of MMAs stays in flight: step t's stage is freed once step t + 1's MMAs are
     // issued and t's have finished, or at once at the end of a column tile.
@@ -837,17 +899,7 @@ __device__ __forceinline__ void wgmma_body(const Args<T>& a, const TmaMaps& maps
       }
       const int kt = t % k_tiles;
       const uint32_t st = stages_addr + t % S * STAGE_BYTES;
-      wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < BK / 16; ++s) {
-        // k16 step s: 32 bytes into x's (and transposed W's) rows, 16 rows into W's.
-        constexpr int RB = kSwizzleBytes, ATOM = 8 * kSwizzleBytes;
-        const uint64_t da = smem_desc(st + c * 64 * RB + s * 32, 16, ATOM);
-        const uint64_t db = TRANS ? smem_desc(st + Tile::A_BYTES + s * 32, 16, ATOM)
-                                  : smem_desc(st + Tile::A_BYTES + s * 16 * RB, BK * RB, ATOM);
-        wgmma_m64n256k16<T, !TRANS>(acc, da, db, kt > 0 || s > 0);
-      }
-      wgmma_commit();
+      mma_stage<T, TRANS, Tile>(acc, st, c, kt > 0);
       if (kt == k_tiles - 1) {
         wgmma_wait<0>();
         if (kt > 0) release(t - 1);
@@ -875,6 +927,147 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
                         const __grid_constant__ TmaMaps maps) {
 #if MTI_WGMMA
   wgmma_body<T, TRANS, Tile>(a, maps);
+#else
+  __trap();  // the launcher runs it only where has_wgmma() says this build has it
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// Handshake kernel (fp16/bf16, sm_90a builds on sm_90; the default path's, as it needs a few
+// bytes of zeroed counters): an ordinary GEMM whose epilogue writes over x, made safe by a
+// handshake per row block instead of by keeping rows or outputs on chip.
+//
+// A row block of BM rows has T = ceil(K / BN) output tiles. A persistent grid of G CTAs, G a
+// multiple of T, all resident at once (cooperative launch), takes tile i (row block i / T,
+// column tile i % T) in CTA i % G, its n-th tile in the n-th round: so the T tiles of a row
+// block run at the same time, in T different CTAs, and a CTA always computes the same column
+// tile (its W columns stay hot in L2 for the G / T CTAs that share them). (A G that is not a
+// multiple of T would split a row block between rounds, half of it waiting a whole round for
+// the other half.) A tile is the warpgroup kernel's (TMA-fed m64n256k16 MMAs of two consumer
+// warpgroups, a producer warp kStages steps ahead, going on into the next tile). When a
+// tile's MMAs are done, every x element of the row block that the tile reads has been read:
+// the CTA adds one to the row block's counter (release, GPU scope). It then rounds the
+// accumulators (plus bias) into a staging tile in shared memory, and waits until the counter
+// reaches T (acquire): no CTA reads the row block's x any more, so TMA stores write the tile
+// over x, asynchronously, while the MMAs of the next tile run. (Written from the registers
+// instead, every CTA's stores came at once, at the end of each round, and the MMAs waited for
+// them: H100, bf16, 0.58-0.65x torch.matmul at K = 1024.)
+template <typename T, bool TRANS, class Tile>
+__device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& maps,
+                                               int* counters) {
+  constexpr int BM = Tile::BM, BN = Tile::BN, BK = Tile::BK, S = Tile::kStages;
+  constexpr uint32_t STAGE_BYTES = Tile::STAGE * sizeof(T);
+  constexpr uint32_t BOX_BYTES = BM * kSwizzleBytes;  // BK columns of the staging tile
+  static_assert(sizeof(T) == 2 && BK * sizeof(T) == kSwizzleBytes, "16-bit operands");
+
+  // [stages][staging tile: BN / BK boxes of BM rows][full barriers][empty barriers], all
+  // 1024-byte aligned (swizzle). The staging boxes are laid out as x's tensor map loads them.
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* const base = smem + (1024 - smem_u32(smem) % 1024) % 1024;
+  const uint32_t stages_addr = smem_u32(base);
+  unsigned char* const out = base + S * STAGE_BYTES;
+  const uint32_t out_addr = smem_u32(out);
+  const uint32_t full0 = out_addr + BN / BK * BOX_BYTES, empty0 = full0 + 8 * S;
+
+  const int col_tiles = (a.k + BN - 1) / BN;
+  const int k_tiles = (a.k + BK - 1) / BK;
+  const int64_t tiles = (a.rows + BM - 1) / BM * col_tiles;
+  const int j0 = static_cast<int>(blockIdx.x) % col_tiles * BN;  // the same in every round
+  const int tid = static_cast<int>(threadIdx.x);
+
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full0 + 8 * s, 1);                // the producer's arrive; the TMA's bytes
+      mbar_init(empty0 + 8 * s, Tile::kConsumers);  // one arrive per consumer warpgroup
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int wg = tid / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<Tile::kProducerRegs>();
+    if (tid == 0) {
+      int t = 0;  // steps across tiles: the stages are a ring
+      for (int64_t i = blockIdx.x; i < tiles; i += gridDim.x) {
+        const int r0 = static_cast<int>(i / col_tiles) * BM;  // the maps' rows (32-bit)
+        for (int kt = 0; kt < k_tiles; ++kt, ++t) {
+          const int s = t % S;
+          const uint32_t full = full0 + 8 * s, st = stages_addr + s * STAGE_BYTES;
+          mbar_wait(empty0 + 8 * s, (t / S & 1) ^ 1);
+          mbar_arrive_expect_tx(full, STAGE_BYTES);
+          tma_load_2d(st, &maps.x, kt * BK, r0, full);
+          tma_load_w<TRANS, Tile>(st, maps, kt * BK, j0, full);
+        }
+      }
+    }
+    __syncwarp();
+    return;
+  }
+
+  setmaxnreg_inc<Tile::kConsumerRegs>();
+  // Consumer warpgroup c owns rows [64 c, 64 c + 64) of a tile; see wgmma_m64n256k16 for its
+  // thread's values. One thread per warpgroup frees a stage; thread 128 (the leader) does
+  // the handshake and the stores.
+  const int c = wg - 1, lane = tid % 32, in_wg = tid % 128;
+  const int m = c * 64 + in_wg / 32 * 16 + lane / 4;
+  const bool leader = tid == 128;
+  auto release = [&](int t) {
+    if (in_wg == 0) mbar_arrive(empty0 + 8 * (t % S));
+  };
+  float acc[128];
+  int t = 0;
+  for (int64_t i = blockIdx.x; i < tiles; i += gridDim.x) {
+    const int r0 = static_cast<int>(i / col_tiles) * BM;
+    // One group of MMAs stays in flight: step t's stage is freed once step t + 1's MMAs are
+    // issued and t's have finished, the tile's last once all have.
+    for (int kt = 0; kt < k_tiles; ++kt, ++t) {
+      mbar_wait(full0 + 8 * (t % S), t / S & 1);
+      mma_stage<T, TRANS, Tile>(acc, stages_addr + t % S * STAGE_BYTES, c, kt > 0);
+      wgmma_wait<1>();
+      if (kt > 0) release(t - 1);
+    }
+    wgmma_wait<0>();
+    release(t - 1);
+
+    // Both warpgroups' MMAs are done (the row block is read) and the last tile's stores
+    // have read the staging tile: say so, then stage this tile.
+    int* const counter = counters + a.first_block + i / col_tiles;
+    if (leader) bulk_wait_read();
+    named_barrier(1, 128 * Tile::kConsumers);
+    if (leader) red_release_gpu_add(counter, 1);
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+      // Columns 8n + 2 (lane % 4) + {0, 1}: 16-byte chunk n % BK/8 of a row of box n / (BK/8),
+      // swizzled by the row (the 8 rows a warp writes at once fall in 8 distinct chunks).
+      const float2 b = bias_pair(a, j0 + 8 * n + 2 * (lane % 4));
+      unsigned char* const box = out + n / (BK / 8) * BOX_BYTES + 4 * (lane % 4);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = m + 8 * h;
+        *reinterpret_cast<uint32_t*>(box + r * kSwizzleBytes + ((n % (BK / 8)) ^ (r % 8)) * 16) =
+            pack2<T>(acc[4 * n + 2 * h] + b.x, acc[4 * n + 2 * h + 1] + b.y);
+      }
+    }
+    fence_proxy_async_shared();
+    named_barrier(1, 128 * Tile::kConsumers);
+    if (leader) {
+      while (ld_acquire_gpu(counter) < col_tiles) __nanosleep(32);
+      fence_proxy_async_global();
+      for (int box = 0; box < BN / BK && j0 + box * BK < a.k; ++box)
+        tma_store_2d(&maps.x, j0 + box * BK, r0, out_addr + box * BOX_BYTES);
+      bulk_commit();
+    }
+  }
+  if (leader) bulk_wait();
+}
+
+template <typename T, bool TRANS, class Tile>
+__global__ void __launch_bounds__(Tile::THREADS, 1)
+    handshake_kernel(const __grid_constant__ Args<T> a, const __grid_constant__ TmaMaps maps,
+                     int* counters) {
+#if MTI_WGMMA
+  handshake_body<T, TRANS, Tile>(a, maps, counters);
 #else
   __trap();  // the launcher runs it only where has_wgmma() says this build has it
 #endif
@@ -959,9 +1152,7 @@ __device__ __forceinline__ void fma_body(const Args<T>& a) {
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
       const int e = threadIdx.x + i * THREADS, r = e / COLS, col = e % COLS;
-      pre[i] = g0 + r < a.k && c0 + col < a.k
-                   ? __ldg(a.w + static_cast<int64_t>(g0 + r) * a.k + c0 + col)
-                   : zero<T>();
+      pre[i] = w_or_zero(a, g0 + r, c0 + col);
     }
   };
   auto store = [&](int t) {
@@ -1481,6 +1672,85 @@ Args<T> make_args(T* x, const RowLayout& layout, const T* w, const T* bias, bool
   return a;
 }
 
+// The handshake kernel's tile: the warpgroup kernel's with three stages, which leave room for
+// the staging tile.
+using HandshakeTile = WgmmaTile<3>;
+constexpr size_t kHandshakeSmem =
+    HandshakeTile::kSmemSlack +
+    (HandshakeTile::kStages * HandshakeTile::STAGE + HandshakeTile::BM * HandshakeTile::BN) * 2;
+
+template <typename T, bool TRANS>
+auto handshake_kernel_of() {
+  return &handshake_kernel<T, TRANS, HandshakeTile>;
+}
+
+// The handshake kernel's grid on the current device for K: as many CTAs as are resident at
+// once, rounded down to a multiple of the column tiles (0: fewer fit than a row block has
+// tiles). Occupancy asked once per device.
+template <typename T, bool TRANS>
+int handshake_grid(int k) {
+  static std::atomic<int> cache[kMaxDevices];  // resident CTAs + 1; 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  std::atomic<int>* slot = device < kMaxDevices ? &cache[device] : nullptr;
+  int resident = slot != nullptr ? slot->load(std::memory_order_relaxed) - 1 : -1;
+  if (resident < 0) {
+    const auto kernel = handshake_kernel_of<T, TRANS>();
+    int per_sm = 0, sms = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kHandshakeSmem)) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, HandshakeTile::THREADS,
+                                                      kHandshakeSmem) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      per_sm = 0;
+    }
+    resident = per_sm * sms;
+    if (slot != nullptr) slot->store(resident + 1, std::memory_order_relaxed);
+  }
+  const int col_tiles = (k + HandshakeTile::BN - 1) / HandshakeTile::BN;
+  return resident / col_tiles * col_tiles;
+}
+
+// Whether the handshake kernel applies: where the warpgroup kernel does, with cooperative
+// launches, a grid that holds a row block's tiles, and tiles enough to keep at least half
+// of the multiprocessors busy (fewer rows are left to cuBLAS, which splits them finer).
+template <typename T, bool TRANS>
+bool handshake_applies(const Args<T>& a, const DeviceInfo& d) {
+  if (!wgmma_applies(a, d) || !d.coop || handshake_grid<T, TRANS>(a.k) == 0) return false;
+  const int64_t col_tiles = (a.k + HandshakeTile::BN - 1) / HandshakeTile::BN;
+  return 2 * ceil_div(a.rows, HandshakeTile::BM) * col_tiles >= d.num_sms;
+}
+
+// Launches the handshake kernel (handshake_applies holds) in launches of at most INT_MAX / BM
+// - 1 row blocks, so that the tensor maps' row coordinates stay 32-bit.
+template <typename T, bool TRANS>
+cudaError_t launch_handshake(Args<T> a, int* counters, cudaStream_t stream) {
+  using Tile = HandshakeTile;
+  const auto kernel = handshake_kernel_of<T, TRANS>();
+  const int grid = handshake_grid<T, TRANS>(a.k);
+  const int64_t col_tiles = (a.k + Tile::BN - 1) / Tile::BN;
+  const int64_t row_blocks = ceil_div(a.rows, Tile::BM), total_rows = a.rows;
+  constexpr int64_t kPerLaunch = INT_MAX / Tile::BM - 1;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kHandshakeSmem));
+  for (int64_t first = 0; err == cudaSuccess && first < row_blocks; first += kPerLaunch) {
+    const int64_t blocks = std::min(row_blocks - first, kPerLaunch);
+    const int64_t row0 = first * Tile::BM;
+    a.first_block = first;
+    a.rows = std::min(total_rows - row0, blocks * Tile::BM);  // this launch's
+    TmaMaps maps;
+    err = make_maps<T, TRANS, Tile>(a, row0, a.rows, 1, &maps);
+    if (err != cudaSuccess) break;
+    void* params[] = {&a, &maps, &counters};
+    err = cudaLaunchCooperativeKernel(
+        reinterpret_cast<const void*>(kernel),
+        dim3(static_cast<unsigned>(std::min<int64_t>(grid, blocks * col_tiles))),
+        dim3(Tile::THREADS), params, kHandshakeSmem, stream);
+  }
+  return err == cudaSuccess ? cudaGetLastError() : err;
+}
+
 }  // namespace
 
 template <typename T>
@@ -1542,6 +1812,36 @@ bool square_matmul_zero_ws_on_wgmma(const T* x, const RowLayout& layout, const T
   }
 }
 
+template <typename T>
+int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, const T* w,
+                                         bool transpose) {
+  DeviceInfo d;
+  if (layout.rows == 0 || layout.n == 0 || device_info(&d) != cudaSuccess) return 0;
+  const Args<T> a = make_args<T>(const_cast<T*>(x), layout, w, nullptr, use_tensor_cores<T>(d));
+  if constexpr (sizeof(T) != 2) {
+    return 0;
+  } else {
+    const bool applies = transpose ? handshake_applies<T, true>(a, d)
+                                   : handshake_applies<T, false>(a, d);
+    return applies ? ceil_div(layout.rows, HandshakeTile::BM) : 0;
+  }
+}
+
+template <typename T>
+cudaError_t square_matmul_handshake(T* x, const RowLayout& layout, const T* w, const T* bias,
+                                   bool transpose, int* counters, cudaStream_t stream) {
+  if constexpr (sizeof(T) != 2) {
+    return cudaErrorInvalidValue;
+  } else {
+    DeviceInfo d;
+    const cudaError_t err = device_info(&d);
+    if (err != cudaSuccess) return err;
+    const Args<T> a = make_args(x, layout, w, bias, use_tensor_cores<T>(d));
+    return transpose ? launch_handshake<T, true>(a, counters, stream)
+                     : launch_handshake<T, false>(a, counters, stream);
+  }
+}
+
 template cudaError_t square_matmul_zero_ws<float>(float*, const RowLayout&, const float*,
                                                   const float*, bool, cudaStream_t);
 template cudaError_t square_matmul_zero_ws<__half>(__half*, const RowLayout&, const __half*,
@@ -1561,5 +1861,15 @@ template bool square_matmul_zero_ws_on_wgmma<__half>(const __half*, const RowLay
 template bool square_matmul_zero_ws_on_wgmma<__nv_bfloat16>(const __nv_bfloat16*,
                                                            const RowLayout&,
                                                            const __nv_bfloat16*, bool);
+
+#define MTI_INSTANTIATE_HANDSHAKE(T)                                                       \
+  template int64_t square_matmul_handshake_counters<T>(const T*, const RowLayout&, const T*, \
+                                                       bool);                                \
+  template cudaError_t square_matmul_handshake<T>(T*, const RowLayout&, const T*, const T*, \
+                                                  bool, int*, cudaStream_t);
+MTI_INSTANTIATE_HANDSHAKE(float)
+MTI_INSTANTIATE_HANDSHAKE(__half)
+MTI_INSTANTIATE_HANDSHAKE(__nv_bfloat16)
+#undef MTI_INSTANTIATE_HANDSHAKE
 
 }  // namespace mti

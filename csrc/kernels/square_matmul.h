@@ -38,4 +38,20 @@ template <typename T>
 bool square_matmul_zero_ws_on_wgmma(const T* x, const RowLayout& layout, const T* w,
                                     bool transpose);
 
+// The default path's kernel on sm_90 (sm_90a builds), for fp16/bf16 where the warpgroup
+// kernel applies and the rows fill at least half of the GPU: an ordinary GEMM whose CTAs
+// write their output tiles over x once every CTA of the same rows has read them, which they
+// tell each other through one int counter per 128 rows in global memory. The number of
+// counters it needs, or 0 where it does not apply (then square_matmul_handshake must not be
+// called).
+template <typename T>
+int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, const T* w,
+                                         bool transpose);
+
+// x <- x @ W (or x @ W^T) + bias by that kernel, arguments as square_matmul_zero_ws's;
+// counters: square_matmul_handshake_counters's number of ints, zero on `stream`.
+template <typename T>
+cudaError_t square_matmul_handshake(T* x, const RowLayout& layout, const T* w, const T* bias,
+                                   bool transpose, int* counters, cudaStream_t stream);
+
 }  // namespace mti

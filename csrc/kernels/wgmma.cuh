@@ -141,6 +141,54 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
 #endif
 }
 
+// TMA stores: a box of shared memory at src (laid out as a load of the same map would leave
+// it) to the tensor at (c0, c1), parts outside the tensor left out; in bulk groups. The
+// source must not be rewritten before the group's reads are done (bulk_wait_read), nor the
+// CTA exit before its writes are (bulk_wait).
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int c0, int c1,
+                                             uint32_t src) {
+#if MTI_WGMMA
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(src)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void bulk_commit() {
+#if MTI_WGMMA
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until no committed bulk group of this thread still reads its source.
+__device__ __forceinline__ void bulk_wait_read() {
+#if MTI_WGMMA
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+
+// Waits until every committed bulk group of this thread is complete.
+__device__ __forceinline__ void bulk_wait() {
+#if MTI_WGMMA
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// Orders this thread's generic-proxy accesses of shared memory (writes for a TMA store to
+// read) before its later async-proxy ones.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if MTI_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// The same for global memory: what this thread has seen (an acquire) before its TMA stores.
+__device__ __forceinline__ void fence_proxy_async_global() {
+#if MTI_WGMMA
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+}
+
 // Gives up (dec) or claims (inc) registers for the executing warpgroup, so that the MMA
 // warpgroups can hold more than an even share of the register file.
 template <int N>
