@@ -1,10 +1,13 @@
 // CUDA host side of square_matmul_: x[..., K] <- x @ W (or x @ W^T) + bias, over x.
 //
-// Default: cuBLAS through ATen, a chunk of rows at a time into a workspace of at most
-// workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over its rows on
-// a side stream while the GEMM of the next chunk runs. With no room for one row, room for
-// chunks of too few rows (chunks_lose_accuracy) or no workspace to be had, the zero-workspace
-// kernel of kernels/square_matmul.cu; also where that kernel is the faster (kWgmmaMaxK).
+// Default: on sm_90 (sm_90a builds), for fp16/bf16 with rows enough to fill half of the GPU,
+// the handshake kernel of kernels/square_matmul.cu, whose workspace is one zeroed int per 128
+// rows (H100, bf16, M >= 4096: 0.74-1.0x torch.matmul's speed where cuBLAS plus the copy back
+// below ran at 0.65-0.94x). Elsewhere cuBLAS through ATen, a chunk of rows at a time into a
+// workspace of at most workspace_bytes (less the CUDA allocator's rounding), each chunk
+// copied back over its rows on a side stream while the GEMM of the next chunk runs. With no
+// room for one row, room for chunks of too few rows (chunks_lose_accuracy) or no workspace to
+// be had, the zero-workspace kernel of kernels/square_matmul.cu.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAEvent.h>
@@ -38,15 +41,6 @@ constexpr int64_t kChunkTargetBytes = 32 << 20;
 // bf16 on H100) where W does not fit in L2 (K = 8192: 128 MiB).
 constexpr int64_t kMinChunkRows = 1024;
 
-// Up to this K, and for an x of at least kChunkTargetBytes, where the zero-workspace kernel
-// runs on the warpgroup MMA (sm_90a) it takes the default path too: cuBLAS's copy back costs
-// half of the GEMM's time at K = 1024. H100, K = 1024, fp16/bf16, ratio to torch.matmul's
-// speed, kernel (7c11b9a) against cuBLAS + copy (801bc92): M = 65536 0.67-0.74x against
-// 0.55-0.66x; M = 16384 0.67-0.72x against 0.69-0.71x, with no workspace instead of 32 MiB;
-// M = 4096 (x of 8 MiB) 0.49-0.52x against 0.75-0.77x: 32 row blocks make two uneven waves of
-// the kernel's clusters. At K = 2048 (7c11b9a, same run) the two were within a few percent
-// at M >= 16384 (0.73-0.81x against 0.72-0.83x), and cuBLAS + copy ahead at M = 4096.
-constexpr int64_t kWgmmaMaxK = 1024;
 
 // The CUDA caching allocator's granularity: requests round up to kAllocRound bytes, and those
 // of more than kAllocSmall come from blocks it may hand out up to kAllocSmall larger.
@@ -161,18 +155,14 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
     const int64_t budget = allocatable_bytes(workspace_bytes);
     const int64_t counters = square_matmul_handshake_counters<T>(
         device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight), plan.transpose);
+    // The counters come from the caching allocator like any workspace, so they count
+    // against the limit (and a workspace of 0 keeps the zero-workspace kernel).
     if (counters > 0 && counters * static_cast<int64_t>(sizeof(int)) <= budget) {
       const at::Tensor zeroed = at::zeros({counters}, x.options().dtype(at::kInt));
       C10_CUDA_CHECK(square_matmul_handshake<T>(
           device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
           plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose,
           zeroed.data_ptr<int>(), stream));
-      return;
-    }
-    if (plan.k <= kWgmmaMaxK && plan.x.rows * plan.k * x.element_size() >= kChunkTargetBytes &&
-        square_matmul_zero_ws_on_wgmma<T>(device_ptr<scalar_t>(x), plan.x,
-                                          device_ptr<scalar_t>(plan.weight), plan.transpose)) {
-      run_zero_workspace<scalar_t>(x, plan, stream, "it is the faster kernel there");
       return;
     }
     SideStreamCopies pipeline(at::cuda::getCurrentCUDAStream());

@@ -1797,22 +1797,6 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
 }
 
 template <typename T>
-bool square_matmul_zero_ws_on_wgmma(const T* x, const RowLayout& layout, const T* w,
-                                    bool transpose) {
-  DeviceInfo d;
-  if (layout.rows == 0 || layout.n == 0 || device_info(&d) != cudaSuccess) return false;
-  const Args<T> a = make_args<T>(const_cast<T*>(x), layout, w, nullptr, use_tensor_cores<T>(d));
-  if constexpr (sizeof(T) != 2) {
-    return false;
-  } else {
-    if (!wgmma_applies(a, d)) return false;
-    const auto plan = transpose ? best_stream_plan<T, true>(WgmmaTiles{}, a, d).second
-                                : best_stream_plan<T, false>(WgmmaTiles{}, a, d).second;
-    return plan.cost < INT64_MAX;
-  }
-}
-
-template <typename T>
 int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, const T* w,
                                          bool transpose) {
   DeviceInfo d;
@@ -1853,14 +1837,6 @@ template cudaError_t square_matmul_zero_ws<__nv_bfloat16>(__nv_bfloat16*, const 
 template cudaError_t square_matmul_zero_ws_max_k<float>(int64_t*);
 template cudaError_t square_matmul_zero_ws_max_k<__half>(int64_t*);
 template cudaError_t square_matmul_zero_ws_max_k<__nv_bfloat16>(int64_t*);
-
-template bool square_matmul_zero_ws_on_wgmma<float>(const float*, const RowLayout&,
-                                                   const float*, bool);
-template bool square_matmul_zero_ws_on_wgmma<__half>(const __half*, const RowLayout&,
-                                                    const __half*, bool);
-template bool square_matmul_zero_ws_on_wgmma<__nv_bfloat16>(const __nv_bfloat16*,
-                                                           const RowLayout&,
-                                                           const __nv_bfloat16*, bool);
 
 #define MTI_INSTANTIATE_HANDSHAKE(T)                                                       \
   template int64_t square_matmul_handshake_counters<T>(const T*, const RowLayout&, const T*, \

@@ -1,5 +1,6 @@
-// Torch-free launcher of square_matmul_'s zero-workspace kernel: x <- x @ W (+ bias) written
-// over x using no device memory beyond x, W and bias.
+// Torch-free launchers of square_matmul_'s own kernels: x <- x @ W (+ bias) written over x.
+// The zero-workspace kernel uses no device memory beyond x, W and bias; the handshake kernel
+// (sm_90a, the default path's where it applies, declared below) a zeroed int per 128 rows.
 //
 // Each thread block (on sm_90, for fp16/bf16, each cluster of blocks) owns whole rows of x and
 // keeps on chip either the rows' inputs or its share of their outputs until every input
@@ -29,14 +30,6 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
 // transpose), from its shared memory per block.
 template <typename T>
 cudaError_t square_matmul_zero_ws_max_k(int64_t* max_k);
-
-// Whether square_matmul_zero_ws<T> would run its warpgroup kernel (TMA-fed wgmma, sm_90a
-// builds on sm_90) on these arguments on the current device: 16-bit T, x's rows evenly spaced
-// and 16-byte aligned, and rows enough to fill the GPU. That kernel beats a cuBLAS GEMM plus
-// the copy back at small K (see csrc/cuda/square_matmul.cu).
-template <typename T>
-bool square_matmul_zero_ws_on_wgmma(const T* x, const RowLayout& layout, const T* w,
-                                    bool transpose);
 
 // The default path's kernel on sm_90 (sm_90a builds), for fp16/bf16 where the warpgroup
 // kernel applies and the rows fill at least half of the GPU: an ordinary GEMM whose CTAs
