@@ -1,7 +1,9 @@
 """Speed and memory of square_matmul_ (x[M, N] <- x @ W (+ bias), W (N, N)) against torch.matmul.
 
-Modes of make_torch_inplace: "default" (a 64 MiB workspace: cuBLAS a chunk of rows at a time,
-copied back) and "zero_workspace" (workspace_bytes=0: the kernel that needs no memory at all).
+Modes of make_torch_inplace: "default" (a 64 MiB workspace: on sm_90a builds, for fp16/bf16 and
+enough rows, the handshake kernel with its counters of one int per 128 rows; else cuBLAS a
+chunk of rows at a time, copied back) and "zero_workspace" (workspace_bytes=0: the kernel that
+needs no memory at all).
 torch.matmul is out of place ("out_of_place"; with a bias it is torch.addmm, as in F.linear);
 for M <= 64 also "matmul+copy_", which writes the result back over x as our default mode does.
 TFLOP/s = 2 M N^2 / median time. peak_extra_bytes: the caching allocator's peak above what
