@@ -159,11 +159,17 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
     // against the limit (and a workspace of 0 keeps the zero-workspace kernel).
     if (counters > 0 && counters * static_cast<int64_t>(sizeof(int)) <= budget) {
       const at::Tensor zeroed = at::zeros({counters}, x.options().dtype(at::kInt));
-      C10_CUDA_CHECK(square_matmul_handshake<T>(
+      const cudaError_t err = square_matmul_handshake<T>(
           device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
           plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose,
-          zeroed.data_ptr<int>(), stream));
-      return;
+          zeroed.data_ptr<int>(), stream);
+      // Its grid must be resident at once; where fewer SMs are ours than the device has
+      // (MPS, green contexts), the launch is refused, nothing has run, and cuBLAS takes over.
+      if (err != cudaErrorCooperativeLaunchTooLarge) {
+        C10_CUDA_CHECK(err);
+        return;
+      }
+      (void)cudaGetLastError();
     }
     SideStreamCopies pipeline(at::cuda::getCurrentCUDAStream());
     // The zero-workspace kernel measured 0.8x torch.matmul's fp32 error there (H100).

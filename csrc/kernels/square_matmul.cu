@@ -753,6 +753,19 @@ struct TmaMaps {
   CUtensorMap w;
 };
 
+// The stages' barriers, at full0 and empty0 (8 bytes apart each): a stage is full when the
+// producer has arrived and the TMA's bytes have landed, empty when `consumers` arrivals
+// (one per consumer warpgroup of every block that reads it) have come. One thread calls it.
+template <int S>
+__device__ __forceinline__ void init_stage_barriers(uint32_t full0, uint32_t empty0,
+                                                    uint32_t consumers) {
+  for (int s = 0; s < S; ++s) {
+    mbar_init(full0 + 8 * s, 1);
+    mbar_init(empty0 + 8 * s, consumers);
+  }
+  mbar_init_fence();
+}
+
 // Loads the (BK x BN) W tile of k [k0, k0 + BK) and output columns [j0, j0 + BN) into the W
 // part of the stage at shared address st, counted on barrier `full`: one box of W's rows j
 // when transposed, else BN / BK boxes of BK rows k by BK columns j.
@@ -820,13 +833,7 @@ __device__ __forceinline__ void wgmma_body(const Args<T>& a, const TmaMaps& maps
   const int tid = static_cast<int>(threadIdx.x);
 
   for (int i = tid; i < BM; i += THREADS) row_off[i] = i < nrows ? a.row.offset(row0 + i) : 0;
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full0 + 8 * s, 1);  // the producer's arrive; the bytes from the TMA
-      mbar_init(empty0 + 8 * s, Tile::kConsumers * a.cluster);
-    }
-    mbar_init_fence();
-  }
+  if (tid == 0) init_stage_barriers<S>(full0, empty0, Tile::kConsumers * a.cluster);
   // No block loads into, or arrives on, another's barriers before they are initialised.
   cluster_sync();
 
@@ -970,13 +977,7 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   const int j0 = static_cast<int>(blockIdx.x) % col_tiles * BN;  // the same in every round
   const int tid = static_cast<int>(threadIdx.x);
 
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full0 + 8 * s, 1);                // the producer's arrive; the TMA's bytes
-      mbar_init(empty0 + 8 * s, Tile::kConsumers);  // one arrive per consumer warpgroup
-    }
-    mbar_init_fence();
-  }
+  if (tid == 0) init_stage_barriers<S>(full0, empty0, Tile::kConsumers);
   __syncthreads();
 
   const int wg = tid / 128;
