@@ -158,7 +158,13 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
     // The counters come from the caching allocator like any workspace, so they count
     // against the limit (and a workspace of 0 keeps the zero-workspace kernel).
     if (counters > 0 && counters * static_cast<int64_t>(sizeof(int)) <= budget) {
-      const at::Tensor zeroed = at::zeros({counters}, x.options().dtype(at::kInt));
+      at::Tensor zeroed;
+      try {
+        zeroed = at::zeros({counters}, x.options().dtype(at::kInt));
+      } catch (const c10::OutOfMemoryError&) {
+        run_zero_workspace<scalar_t>(x, plan, stream, "the workspace could not be allocated");
+        return;
+      }
       const cudaError_t err = square_matmul_handshake<T>(
           device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
           plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose,
