@@ -135,7 +135,8 @@ __device__ __forceinline__ BlockWork block_work(const Args<T>& a) {
 template <typename T>
 __device__ __forceinline__ void store_out(const Args<T>& a, const int64_t* row_off, int nrows,
                                           int n, int j, float v) {
-  if (n < nrows && j < a.k) a.x[row_off[n] + j] = from_float<T>(a.bias ? v + to_float(a.bias[j]) : v);
+  if (n < nrows && j < a.k)
+    a.x[row_off[n] + j] = from_float<T>(a.bias ? v + to_float(a.bias[j]) : v);
 }
 
 // W[g][c], or zero outside W. The load always reads inside W (its first element when
@@ -1682,7 +1683,8 @@ auto handshake_kernel_of() {
 
 // The handshake kernel's grid on the current device for K: as many CTAs as are resident at
 // once, rounded down to a multiple of the column tiles (0: fewer fit than a row block has
-// tiles). Occupancy asked once per device.
+// tiles). Occupancy asked once per device, after raising the kernel's shared memory limit
+// there (which launch_handshake relies on).
 template <typename T, bool TRANS>
 int handshake_grid(int k) {
   static std::atomic<int> cache[kMaxDevices];  // resident CTAs + 1; 0: not asked yet
@@ -1728,8 +1730,8 @@ cudaError_t launch_handshake(Args<T> a, int* counters, cudaStream_t stream) {
   const int64_t col_tiles = (a.k + Tile::BN - 1) / Tile::BN;
   const int64_t row_blocks = ceil_div(a.rows, Tile::BM), total_rows = a.rows;
   constexpr int64_t kPerLaunch = INT_MAX / Tile::BM - 1;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kHandshakeSmem));
+  // The kernel's shared memory limit was raised by handshake_grid, for this device.
+  cudaError_t err = cudaSuccess;
   for (int64_t first = 0; err == cudaSuccess && first < row_blocks; first += kPerLaunch) {
     const int64_t blocks = std::min(row_blocks - first, kPerLaunch);
     const int64_t row0 = first * Tile::BM;
@@ -1795,12 +1797,12 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
 template <typename T>
 int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, const T* w,
                                          bool transpose) {
-  DeviceInfo d;
-  if (layout.rows == 0 || layout.n == 0 || device_info(&d) != cudaSuccess) return 0;
-  const Args<T> a = make_args<T>(const_cast<T*>(x), layout, w, nullptr, use_tensor_cores<T>(d));
   if constexpr (sizeof(T) != 2) {
-    return 0;
+    return 0;  // asked on every default-path call: no device queries for other types
   } else {
+    DeviceInfo d;
+    if (layout.rows == 0 || layout.n == 0 || device_info(&d) != cudaSuccess) return 0;
+    const Args<T> a = make_args<T>(const_cast<T*>(x), layout, w, nullptr, /*mma=*/true);
     const bool applies = transpose ? handshake_applies<T, true>(a, d)
                                    : handshake_applies<T, false>(a, d);
     return applies ? ceil_div(layout.rows, HandshakeTile::BM) : 0;
@@ -1813,10 +1815,8 @@ cudaError_t square_matmul_handshake(T* x, const RowLayout& layout, const T* w, c
   if constexpr (sizeof(T) != 2) {
     return cudaErrorInvalidValue;
   } else {
-    DeviceInfo d;
-    const cudaError_t err = device_info(&d);
-    if (err != cudaSuccess) return err;
-    const Args<T> a = make_args(x, layout, w, bias, use_tensor_cores<T>(d));
+    // make_args's mma only sets the staging kernels' row pitch, which this kernel ignores.
+    const Args<T> a = make_args(x, layout, w, bias, /*mma=*/true);
     return transpose ? launch_handshake<T, true>(a, counters, stream)
                      : launch_handshake<T, false>(a, counters, stream);
   }
