@@ -963,14 +963,16 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   constexpr uint32_t BOX_BYTES = BM * kSwizzleBytes;  // BK columns of the staging tile
   static_assert(sizeof(T) == 2 && BK * sizeof(T) == kSwizzleBytes, "16-bit operands");
 
-  // [stages][staging tile: BN / BK boxes of BM rows][full barriers][empty barriers], all
-  // 1024-byte aligned (swizzle). The staging boxes are laid out as x's tensor map loads them.
+  // [stages][staging tile: BN / BK boxes of BM rows][bias: BN floats][full barriers][empty
+  // barriers], the stages and the staging tile 1024-byte aligned (swizzle). The staging boxes
+  // are laid out as x's tensor map loads them.
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* const base = smem + (1024 - smem_u32(smem) % 1024) % 1024;
   const uint32_t stages_addr = smem_u32(base);
   unsigned char* const out = base + S * STAGE_BYTES;
   const uint32_t out_addr = smem_u32(out);
-  const uint32_t full0 = out_addr + BN / BK * BOX_BYTES, empty0 = full0 + 8 * S;
+  float* const bias = reinterpret_cast<float*>(out + BN / BK * BOX_BYTES);
+  const uint32_t full0 = smem_u32(bias + BN), empty0 = full0 + 8 * S;
 
   const int col_tiles = (a.k + BN - 1) / BN;
   const int k_tiles = (a.k + BK - 1) / BK;
@@ -978,6 +980,10 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   const int j0 = static_cast<int>(blockIdx.x) % col_tiles * BN;  // the same in every round
   const int tid = static_cast<int>(threadIdx.x);
 
+  // The CTA's bias columns (zeros without a bias or past K), read once: every round's tiles
+  // have the same columns, and the epilogue then waits on no global load.
+  for (int j = tid; j < BN; j += Tile::THREADS)
+    bias[j] = a.bias != nullptr && j0 + j < a.k ? to_float(a.bias[j0 + j]) : 0.f;
   if (tid == 0) init_stage_barriers<S>(full0, empty0, Tile::kConsumers);
   __syncthreads();
 
@@ -1037,7 +1043,7 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
     for (int n = 0; n < BN / 8; ++n) {
       // Columns 8n + 2 (lane % 4) + {0, 1}: 16-byte chunk n % BK/8 of a row of box n / (BK/8),
       // swizzled by the row (the 8 rows a warp writes at once fall in 8 distinct chunks).
-      const float2 b = bias_pair(a, j0 + 8 * n + 2 * (lane % 4));
+      const float2 b = *reinterpret_cast<const float2*>(bias + 8 * n + 2 * (lane % 4));
       unsigned char* const box = out + n / (BK / 8) * BOX_BYTES + 4 * (lane % 4);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -1674,7 +1680,8 @@ Args<T> make_args(T* x, const RowLayout& layout, const T* w, const T* bias, bool
 using HandshakeTile = WgmmaTile<3>;
 constexpr size_t kHandshakeSmem =
     HandshakeTile::kSmemSlack +
-    (HandshakeTile::kStages * HandshakeTile::STAGE + HandshakeTile::BM * HandshakeTile::BN) * 2;
+    (HandshakeTile::kStages * HandshakeTile::STAGE + HandshakeTile::BM * HandshakeTile::BN) * 2 +
+    HandshakeTile::BN * sizeof(float);
 
 template <typename T, bool TRANS>
 auto handshake_kernel_of() {
