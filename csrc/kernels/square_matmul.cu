@@ -952,44 +952,42 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
 //
 // A row block of BM rows has T = ceil(K / BN) output tiles. CTAs come in clusters of C (1 or
 // 2) that take C row blocks at a time (a group) and share each W tile: each CTA's TMA loads
-// 1 / C of it and multicasts it to the cluster, which halves what L2 serves per MMA (H100,
-// bf16, K = 8192: L2 at 95% of its throughput unshared, the bottleneck). A persistent grid
-// of G = C x P CTAs, all resident at once (cooperative launch), takes group tile i (row
-// blocks C (i / T) + rank, column tile i % T) in cluster i % P, P >= T, so that no cluster
-// holds two tiles of one row block.
-//
-// The tile is the warpgroup kernel's (TMA-fed m64n256k16 MMAs of two consumer warpgroups, a
-// producer warp kStages steps ahead, going on into the next tile). Once the last x tile of a
-// row block's tile has landed in shared memory, the CTA no longer reads that row block's x
-// from global memory: it adds one to the row block's counter (release, GPU scope). The
-// consumers round the accumulators (plus bias) into a staging tile in shared memory and go
-// on to the next tile; a storer warp waits until the counter reaches T (acquire): no CTA
-// reads the row block's x any more, and TMA stores write the tile over x. The consumers wait
-// only to reuse the staging tile, for the previous tile's stores to have read it.
-//
-// No deadlock: a tile's counter add waits (through the stages and the staging tile) only for
-// the stores of the CTA's tile two rounds before, whose row blocks' tiles all come earlier
-// in the order (P >= T); every CTA is resident, so induction on the order completes all.
+// 1 / C of it and multicasts it to the cluster, which halves what L2 serves per MMA. A
+// persistent grid of P clusters, P a multiple of T, all resident at once (cooperative
+// launch), takes group tile i (row blocks C (i / T) + rank, column tile i % T) in cluster
+// i % P, its n-th tile in the n-th round: so the T tiles of a row block run at the same
+// time, in T different clusters, and a cluster always computes the same column tile. (A P
+// that is not a multiple of T would split a row block between rounds, half of it waiting a
+// whole round for the other half.) A tile is the warpgroup kernel's (TMA-fed m64n256k16 MMAs
+// of two consumer warpgroups, a producer warp kStages steps ahead, going on into the next
+// tile). When a tile's MMAs are done, every x element of the row block that the tile reads
+// has been read: the CTA adds one to the row block's counter (release, GPU scope). It then
+// rounds the accumulators (plus bias) into a staging tile in shared memory, and waits until
+// the counter reaches T (acquire): no CTA reads the row block's x any more, so TMA stores
+// write the tile over x, asynchronously, while the MMAs of the next tile run. (Written from
+// the registers instead, every CTA's stores came at once, at the end of each round, and the
+// MMAs waited for them: H100, bf16, 0.58-0.65x torch.matmul at K = 1024. A storer warp that
+// took the wait and the stores off the MMA warpgroups, signalling as soon as the last x tile
+// had landed, ran 5-10% slower; why was not found.)
 template <typename T, bool TRANS, class Tile>
 __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& maps,
                                                int* counters) {
   constexpr int BM = Tile::BM, BN = Tile::BN, BK = Tile::BK, S = Tile::kStages;
   constexpr uint32_t STAGE_BYTES = Tile::STAGE * sizeof(T);
-  constexpr uint32_t X_BYTES = Tile::A_BYTES, W_BYTES = STAGE_BYTES - X_BYTES;
+  constexpr uint32_t W_BYTES = STAGE_BYTES - Tile::A_BYTES;
   constexpr uint32_t BOX_BYTES = BM * kSwizzleBytes;  // BK columns of the staging tile
-  constexpr int CONSUMERS = 128 * Tile::kConsumers;
   static_assert(sizeof(T) == 2 && BK * sizeof(T) == kSwizzleBytes, "16-bit operands");
 
-  // [stages][staging tile: BN / BK boxes of BM rows][S full][S empty][staged][freed]
-  // barriers, all 1024-byte aligned (swizzle). The staging boxes are laid out as x's tensor
-  // map loads them.
+  // [stages][staging tile: BN / BK boxes of BM rows][bias: BN floats][full barriers][empty
+  // barriers], the stages and the staging tile 1024-byte aligned (swizzle). The staging boxes
+  // are laid out as x's tensor map loads them.
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* const base = smem + (1024 - smem_u32(smem) % 1024) % 1024;
   const uint32_t stages_addr = smem_u32(base);
   unsigned char* const out = base + S * STAGE_BYTES;
   const uint32_t out_addr = smem_u32(out);
-  const uint32_t full0 = out_addr + BN / BK * BOX_BYTES, empty0 = full0 + 8 * S;
-  const uint32_t staged = empty0 + 8 * S, freed = staged + 8;
+  float* const bias = reinterpret_cast<float*>(out + BN / BK * BOX_BYTES);
+  const uint32_t full0 = smem_u32(bias + BN), empty0 = full0 + 8 * S;
 
   const int C = a.cluster, rank = static_cast<int>(blockIdx.x) % C;
   const int group = static_cast<int>(blockIdx.x) / C, groups = gridDim.x / C;
@@ -997,69 +995,52 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   const int k_tiles = (a.k + BK - 1) / BK;
   const int64_t row_blocks = (a.rows + BM - 1) / BM;
   const int64_t tiles = (row_blocks + C - 1) / C * col_tiles;  // group tiles
+  const int j0 = group % col_tiles * BN;  // the same in every round
   const int tid = static_cast<int>(threadIdx.x);
-  // Group tile i: this CTA's row block (none past the last: a lone CTA of the last group
-  // still loads and multicasts its part of W) and its first output column.
+  // This CTA's row block in group tile i (past the last for a lone CTA of the last group,
+  // which still loads and multicasts its part of W).
   auto row_block = [&](int64_t i) { return i / col_tiles * C + rank; };
-  auto col0 = [&](int64_t i) { return static_cast<int>(i % col_tiles) * BN; };
 
-  if (tid == 0) {
-    init_stage_barriers<S>(full0, empty0, Tile::kConsumers * C);
-    mbar_init(staged, CONSUMERS);
-    mbar_init(freed, 1);
-    mbar_init_fence();
-  }
+  // The CTA's bias columns (zeros without a bias or past K), read once: every round's tiles
+  // have the same columns.
+  for (int j = tid; j < BN; j += Tile::THREADS)
+    bias[j] = a.bias != nullptr && j0 + j < a.k ? to_float(a.bias[j0 + j]) : 0.f;
+  if (tid == 0) init_stage_barriers<S>(full0, empty0, Tile::kConsumers * C);
   // No CTA loads into, or arrives on, another's barriers before they are initialised.
   cluster_sync();
 
   const int wg = tid / 128;
   if (wg == 0) {
     setmaxnreg_dec<Tile::kProducerRegs>();
-    if (tid == 0) {  // the producer
-      int t = 0;     // steps across tiles: the stages are a ring
+    if (tid == 0) {
+      int t = 0;  // steps across tiles: the stages are a ring
       for (int64_t i = group; i < tiles; i += groups) {
         const int64_t rb = row_block(i);
-        const bool real = rb < row_blocks;
         const int r0 = static_cast<int>(rb) * BM;  // the maps' rows (32-bit)
         for (int kt = 0; kt < k_tiles; ++kt, ++t) {
           const int s = t % S;
           const uint32_t full = full0 + 8 * s, st = stages_addr + s * STAGE_BYTES;
           mbar_wait(empty0 + 8 * s, (t / S & 1) ^ 1);
-          mbar_arrive_expect_tx(full, real ? STAGE_BYTES : W_BYTES);
-          if (real) tma_load_2d(st, &maps.x, kt * BK, r0, full);
-          tma_load_w<TRANS, Tile>(st, maps, kt * BK, col0(i), full, rank, C);
+          mbar_arrive_expect_tx(full, rb < row_blocks ? STAGE_BYTES : W_BYTES);
+          if (rb < row_blocks) tma_load_2d(st, &maps.x, kt * BK, r0, full);
+          tma_load_w<TRANS, Tile>(st, maps, kt * BK, j0, full, rank, C);
         }
       }
-    } else if (tid == 32) {  // the storer
-      int n = 0;             // this CTA's tiles so far
-      for (int64_t i = group; i < tiles; i += groups) {
-        const int64_t rb = row_block(i);
-        if (rb >= row_blocks) continue;
-        mbar_wait(staged, n++ & 1);
-        const int* const counter = counters + a.first_block + rb;
-        while (ld_acquire_gpu(counter) < col_tiles) __nanosleep(32);
-        fence_proxy_async_global();
-        const int j0 = col0(i);
-        for (int box = 0; box < BN / BK && j0 + box * BK < a.k; ++box)
-          tma_store_2d(&maps.x, j0 + box * BK, static_cast<int>(rb) * BM,
-                       out_addr + box * BOX_BYTES);
-        bulk_commit();
-        bulk_wait_read();
-        mbar_arrive(freed);
-      }
-      bulk_wait();
     }
+    __syncwarp();
   } else {
     setmaxnreg_inc<Tile::kConsumerRegs>();
     // Consumer warpgroup c owns rows [64 c, 64 c + 64) of a tile; see wgmma_m64n256k16 for
-    // its thread's values. Thread r < C of each warpgroup frees a stage in CTA r.
+    // its thread's values. Thread r < C of each warpgroup frees a stage in CTA r; thread 128
+    // (the leader) does the handshake and the stores.
     const int c = wg - 1, lane = tid % 32, in_wg = tid % 128;
     const int m = c * 64 + in_wg / 32 * 16 + lane / 4;
+    const bool leader = tid == 128;
     auto release = [&](int t) {
       if (in_wg < C) mbar_arrive_cluster(empty0 + 8 * (t % S), in_wg);
     };
     float acc[128];
-    int t = 0, n = 0;
+    int t = 0;
     for (int64_t i = group; i < tiles; i += groups) {
       const int64_t rb = row_block(i);
       if (rb >= row_blocks) {  // no rows: the stages only pass through
@@ -1073,8 +1054,6 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
       // are issued and t's have finished, the tile's last once all have.
       for (int kt = 0; kt < k_tiles; ++kt, ++t) {
         mbar_wait(full0 + 8 * (t % S), t / S & 1);
-        // The row block's last x tile has landed: its x is read.
-        if (kt == k_tiles - 1 && tid == 128) red_release_gpu_add(counters + a.first_block + rb, 1);
         mma_stage<T, TRANS, Tile>(acc, stages_addr + t % S * STAGE_BYTES, c, kt > 0);
         wgmma_wait<1>();
         if (kt > 0) release(t - 1);
@@ -1082,29 +1061,41 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
       wgmma_wait<0>();
       release(t - 1);
 
-      // Stage the tile once the last one's stores have read the staging tile.
-      if (n > 0) mbar_wait(freed, (n - 1) & 1);
-      const int j0 = col0(i);
+      // Both warpgroups' MMAs are done (the row block is read) and the last tile's stores
+      // have read the staging tile: say so, then stage this tile.
+      int* const counter = counters + a.first_block + rb;
+      if (leader) bulk_wait_read();
+      named_barrier(1, 128 * Tile::kConsumers);
+      if (leader) red_release_gpu_add(counter, 1);
 #pragma unroll
       for (int q = 0; q < BN / 8; ++q) {
-        // Columns 8q + 2 (lane % 4) + {0, 1}: 16-byte chunk q % BK/8 of a row of box q / (BK/8),
-        // swizzled by the row (the 8 rows a warp writes at once fall in 8 distinct chunks).
-        const float2 b = bias_pair(a, j0 + 8 * q + 2 * (lane % 4));
+        // Columns 8q + 2 (lane % 4) + {0, 1}: 16-byte chunk q % BK/8 of a row of box
+        // q / (BK/8), swizzled by the row (the 8 rows a warp writes at once fall in 8
+        // distinct chunks).
+        const float2 b = *reinterpret_cast<const float2*>(bias + 8 * q + 2 * (lane % 4));
         unsigned char* const box = out + q / (BK / 8) * BOX_BYTES + 4 * (lane % 4);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = m + 8 * h;
-          *reinterpret_cast<uint32_t*>(box + r * kSwizzleBytes + ((q % (BK / 8)) ^ (r % 8)) * 16) =
+          *reinterpret_cast<uint32_t*>(box + r * kSwizzleBytes +
+                                       ((q % (BK / 8)) ^ (r % 8)) * 16) =
               pack2<T>(acc[4 * q + 2 * h] + b.x, acc[4 * q + 2 * h + 1] + b.y);
         }
       }
       fence_proxy_async_shared();
-      mbar_arrive(staged);
-      ++n;
+      named_barrier(1, 128 * Tile::kConsumers);
+      if (leader) {
+        while (ld_acquire_gpu(counter) < col_tiles) __nanosleep(32);
+        fence_proxy_async_global();
+        for (int box = 0; box < BN / BK && j0 + box * BK < a.k; ++box)
+          tma_store_2d(&maps.x, j0 + box * BK, static_cast<int>(rb) * BM,
+                       out_addr + box * BOX_BYTES);
+        bulk_commit();
+      }
     }
+    if (leader) bulk_wait();
   }
-  // Other CTAs of the cluster may still arrive on this one's barriers until they are done.
-  __syncwarp();
+  // The cluster's other CTA may still arrive on this one's barriers until it is done.
   cluster_sync();
 }
 
@@ -1722,11 +1713,12 @@ Args<T> make_args(T* x, const RowLayout& layout, const T* w, const T* bias, bool
 }
 
 // The handshake kernel's tile: the warpgroup kernel's with three stages, which leave room for
-// the staging tile (and its two barriers).
+// the staging tile and the bias.
 using HandshakeTile = WgmmaTile<3>;
 constexpr size_t kHandshakeSmem =
-    HandshakeTile::kSmemSlack + 16 +
-    (HandshakeTile::kStages * HandshakeTile::STAGE + HandshakeTile::BM * HandshakeTile::BN) * 2;
+    HandshakeTile::kSmemSlack +
+    (HandshakeTile::kStages * HandshakeTile::STAGE + HandshakeTile::BM * HandshakeTile::BN) * 2 +
+    HandshakeTile::BN * sizeof(float);
 
 // TEMPORARY A/B switch (MTI_HS="C,R": clusters of C CTAs; R = 1 rounds the clusters down to
 // a multiple of the column tiles).
@@ -1790,8 +1782,7 @@ int handshake_grid(int k, int* cluster_out) {
     if (slot != nullptr) slot->store(resident + 1, std::memory_order_relaxed);
   }
   const int col_tiles = (k + HandshakeTile::BN - 1) / HandshakeTile::BN;
-  if (hs_env(1)) resident = resident / col_tiles * col_tiles;
-  return resident >= col_tiles ? resident * cluster : 0;
+  return resident / col_tiles * col_tiles * cluster;
 }
 
 // Whether the handshake kernel applies: where the warpgroup kernel does, with cooperative
