@@ -747,9 +747,8 @@ struct WgmmaTile {
   static_assert(A_BYTES % 1024 == 0 && STAGE * 2 % 1024 == 0, "tiles stay 1024-byte aligned");
 };
 
-// The tensor maps of a launch: x's rows (box BK columns x BM / x_parts rows) and W (box
-// BK x BN / w_parts of W's rows j when transposed, else BK-row by BK-column boxes),
-// 128-byte swizzled (make_maps).
+// The tensor maps of a launch: x's rows (box BK columns x BM / cluster rows) and W (box
+// BK x BN of W's rows j when transposed, else BK-row by BK-column boxes), 128-byte swizzled.
 struct TmaMaps {
   CUtensorMap x;
   CUtensorMap w;
@@ -768,29 +767,20 @@ __device__ __forceinline__ void init_stage_barriers(uint32_t full0, uint32_t emp
   mbar_init_fence();
 }
 
-// Loads part `rank` of C of the (BK x BN) W tile of k [k0, k0 + BK) and output columns
-// [j0, j0 + BN) into the W part of the stage at shared address st, multicast to the C CTAs
-// of the cluster (C > 1) and counted on barrier `full` in each: BN / C of W's rows j when
-// transposed (the map's box), else BN / BK / C boxes of BK rows k by BK columns j.
+// Loads the (BK x BN) W tile of k [k0, k0 + BK) and output columns [j0, j0 + BN) into the W
+// part of the stage at shared address st, counted on barrier `full`: one box of W's rows j
+// when transposed, else BN / BK boxes of BK rows k by BK columns j.
 template <bool TRANS, class Tile>
 __device__ __forceinline__ void tma_load_w(uint32_t st, const TmaMaps& maps, int k0, int j0,
-                                           uint32_t full, int rank = 0, int C = 1) {
+                                           uint32_t full) {
   constexpr int BN = Tile::BN, BK = Tile::BK;
   const uint32_t wt = st + Tile::A_BYTES;
-  const uint16_t all = static_cast<uint16_t>((1u << C) - 1);
-  auto load = [&](uint32_t dst, int c0, int c1) {
-    if (C > 1)
-      tma_load_2d_multicast(dst, &maps.w, c0, c1, full, all);
-    else
-      tma_load_2d(dst, &maps.w, c0, c1, full);
-  };
   if constexpr (TRANS) {
-    const int rows = BN / C;
-    load(wt + rank * rows * kSwizzleBytes, k0, j0 + rank * rows);
+    tma_load_2d(wt, &maps.w, k0, j0, full);
   } else {
-    const int boxes = BN / BK / C;
-    for (int b = rank * boxes; b < (rank + 1) * boxes; ++b)
-      load(wt + b * BK * kSwizzleBytes, j0 + BK * b, k0);
+#pragma unroll
+    for (int b = 0; b < BN / BK; ++b)
+      tma_load_2d(wt + b * BK * kSwizzleBytes, &maps.w, j0 + BK * b, k0, full);
   }
 }
 
@@ -950,31 +940,26 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
 // bytes of zeroed counters): an ordinary GEMM whose epilogue writes over x, made safe by a
 // handshake per row block instead of by keeping rows or outputs on chip.
 //
-// A row block of BM rows has T = ceil(K / BN) output tiles. CTAs come in clusters of C (1 or
-// 2) that take C row blocks at a time (a group) and share each W tile: each CTA's TMA loads
-// 1 / C of it and multicasts it to the cluster, which halves what L2 serves per MMA. A
-// persistent grid of P clusters, P a multiple of T, all resident at once (cooperative
-// launch), takes group tile i (row blocks C (i / T) + rank, column tile i % T) in cluster
-// i % P, its n-th tile in the n-th round: so the T tiles of a row block run at the same
-// time, in T different clusters, and a cluster always computes the same column tile. (A P
-// that is not a multiple of T would split a row block between rounds, half of it waiting a
-// whole round for the other half.) A tile is the warpgroup kernel's (TMA-fed m64n256k16 MMAs
-// of two consumer warpgroups, a producer warp kStages steps ahead, going on into the next
-// tile). When a tile's MMAs are done, every x element of the row block that the tile reads
-// has been read: the CTA adds one to the row block's counter (release, GPU scope). It then
-// rounds the accumulators (plus bias) into a staging tile in shared memory, and waits until
-// the counter reaches T (acquire): no CTA reads the row block's x any more, so TMA stores
-// write the tile over x, asynchronously, while the MMAs of the next tile run. (Written from
-// the registers instead, every CTA's stores came at once, at the end of each round, and the
-// MMAs waited for them: H100, bf16, 0.58-0.65x torch.matmul at K = 1024. A storer warp that
-// took the wait and the stores off the MMA warpgroups, signalling as soon as the last x tile
-// had landed, ran 5-10% slower; why was not found.)
+// A row block of BM rows has T = ceil(K / BN) output tiles. A persistent grid of G CTAs, G a
+// multiple of T, all resident at once (cooperative launch), takes tile i (row block i / T,
+// column tile i % T) in CTA i % G, its n-th tile in the n-th round: so the T tiles of a row
+// block run at the same time, in T different CTAs, and a CTA always computes the same column
+// tile (its W columns stay hot in L2 for the G / T CTAs that share them). (A G that is not a
+// multiple of T would split a row block between rounds, half of it waiting a whole round for
+// the other half.) A tile is the warpgroup kernel's (TMA-fed m64n256k16 MMAs of two consumer
+// warpgroups, a producer warp kStages steps ahead, going on into the next tile). When a
+// tile's MMAs are done, every x element of the row block that the tile reads has been read:
+// the CTA adds one to the row block's counter (release, GPU scope). It then rounds the
+// accumulators (plus bias) into a staging tile in shared memory, and waits until the counter
+// reaches T (acquire): no CTA reads the row block's x any more, so TMA stores write the tile
+// over x, asynchronously, while the MMAs of the next tile run. (Written from the registers
+// instead, every CTA's stores came at once, at the end of each round, and the MMAs waited for
+// them: H100, bf16, 0.58-0.65x torch.matmul at K = 1024.)
 template <typename T, bool TRANS, class Tile>
 __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& maps,
                                                int* counters) {
   constexpr int BM = Tile::BM, BN = Tile::BN, BK = Tile::BK, S = Tile::kStages;
   constexpr uint32_t STAGE_BYTES = Tile::STAGE * sizeof(T);
-  constexpr uint32_t W_BYTES = STAGE_BYTES - Tile::A_BYTES;
   constexpr uint32_t BOX_BYTES = BM * kSwizzleBytes;  // BK columns of the staging tile
   static_assert(sizeof(T) == 2 && BK * sizeof(T) == kSwizzleBytes, "16-bit operands");
 
@@ -989,114 +974,95 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   float* const bias = reinterpret_cast<float*>(out + BN / BK * BOX_BYTES);
   const uint32_t full0 = smem_u32(bias + BN), empty0 = full0 + 8 * S;
 
-  const int C = a.cluster, rank = static_cast<int>(blockIdx.x) % C;
-  const int group = static_cast<int>(blockIdx.x) / C, groups = gridDim.x / C;
   const int col_tiles = (a.k + BN - 1) / BN;
   const int k_tiles = (a.k + BK - 1) / BK;
-  const int64_t row_blocks = (a.rows + BM - 1) / BM;
-  const int64_t tiles = (row_blocks + C - 1) / C * col_tiles;  // group tiles
-  const int j0 = group % col_tiles * BN;  // the same in every round
+  const int64_t tiles = (a.rows + BM - 1) / BM * col_tiles;
+  const int j0 = static_cast<int>(blockIdx.x) % col_tiles * BN;  // the same in every round
   const int tid = static_cast<int>(threadIdx.x);
-  // This CTA's row block in group tile i (past the last for a lone CTA of the last group,
-  // which still loads and multicasts its part of W).
-  auto row_block = [&](int64_t i) { return i / col_tiles * C + rank; };
 
   // The CTA's bias columns (zeros without a bias or past K), read once: every round's tiles
-  // have the same columns.
+  // have the same columns, and the epilogue then waits on no global load.
   for (int j = tid; j < BN; j += Tile::THREADS)
     bias[j] = a.bias != nullptr && j0 + j < a.k ? to_float(a.bias[j0 + j]) : 0.f;
-  if (tid == 0) init_stage_barriers<S>(full0, empty0, Tile::kConsumers * C);
-  // No CTA loads into, or arrives on, another's barriers before they are initialised.
-  cluster_sync();
+  if (tid == 0) init_stage_barriers<S>(full0, empty0, Tile::kConsumers);
+  __syncthreads();
 
   const int wg = tid / 128;
   if (wg == 0) {
     setmaxnreg_dec<Tile::kProducerRegs>();
     if (tid == 0) {
       int t = 0;  // steps across tiles: the stages are a ring
-      for (int64_t i = group; i < tiles; i += groups) {
-        const int64_t rb = row_block(i);
-        const int r0 = static_cast<int>(rb) * BM;  // the maps' rows (32-bit)
+      for (int64_t i = blockIdx.x; i < tiles; i += gridDim.x) {
+        const int r0 = static_cast<int>(i / col_tiles) * BM;  // the maps' rows (32-bit)
         for (int kt = 0; kt < k_tiles; ++kt, ++t) {
           const int s = t % S;
           const uint32_t full = full0 + 8 * s, st = stages_addr + s * STAGE_BYTES;
           mbar_wait(empty0 + 8 * s, (t / S & 1) ^ 1);
-          mbar_arrive_expect_tx(full, rb < row_blocks ? STAGE_BYTES : W_BYTES);
-          if (rb < row_blocks) tma_load_2d(st, &maps.x, kt * BK, r0, full);
-          tma_load_w<TRANS, Tile>(st, maps, kt * BK, j0, full, rank, C);
+          mbar_arrive_expect_tx(full, STAGE_BYTES);
+          tma_load_2d(st, &maps.x, kt * BK, r0, full);
+          tma_load_w<TRANS, Tile>(st, maps, kt * BK, j0, full);
         }
       }
     }
     __syncwarp();
-  } else {
-    setmaxnreg_inc<Tile::kConsumerRegs>();
-    // Consumer warpgroup c owns rows [64 c, 64 c + 64) of a tile; see wgmma_m64n256k16 for
-    // its thread's values. Thread r < C of each warpgroup frees a stage in CTA r; thread 128
-    // (the leader) does the handshake and the stores.
-    const int c = wg - 1, lane = tid % 32, in_wg = tid % 128;
-    const int m = c * 64 + in_wg / 32 * 16 + lane / 4;
-    const bool leader = tid == 128;
-    auto release = [&](int t) {
-      if (in_wg < C) mbar_arrive_cluster(empty0 + 8 * (t % S), in_wg);
-    };
-    float acc[128];
-    int t = 0;
-    for (int64_t i = group; i < tiles; i += groups) {
-      const int64_t rb = row_block(i);
-      if (rb >= row_blocks) {  // no rows: the stages only pass through
-        for (int kt = 0; kt < k_tiles; ++kt, ++t) {
-          mbar_wait(full0 + 8 * (t % S), t / S & 1);
-          release(t);
-        }
-        continue;
-      }
-      // One group of MMAs stays in flight: step t's stage is freed once step t + 1's MMAs
-      // are issued and t's have finished, the tile's last once all have.
-      for (int kt = 0; kt < k_tiles; ++kt, ++t) {
-        mbar_wait(full0 + 8 * (t % S), t / S & 1);
-        mma_stage<T, TRANS, Tile>(acc, stages_addr + t % S * STAGE_BYTES, c, kt > 0);
-        wgmma_wait<1>();
-        if (kt > 0) release(t - 1);
-      }
-      wgmma_wait<0>();
-      release(t - 1);
+    return;
+  }
 
-      // Both warpgroups' MMAs are done (the row block is read) and the last tile's stores
-      // have read the staging tile: say so, then stage this tile.
-      int* const counter = counters + a.first_block + rb;
-      if (leader) bulk_wait_read();
-      named_barrier(1, 128 * Tile::kConsumers);
-      if (leader) red_release_gpu_add(counter, 1);
+  setmaxnreg_inc<Tile::kConsumerRegs>();
+  // Consumer warpgroup c owns rows [64 c, 64 c + 64) of a tile; see wgmma_m64n256k16 for its
+  // thread's values. One thread per warpgroup frees a stage; thread 128 (the leader) does
+  // the handshake and the stores.
+  const int c = wg - 1, lane = tid % 32, in_wg = tid % 128;
+  const int m = c * 64 + in_wg / 32 * 16 + lane / 4;
+  const bool leader = tid == 128;
+  auto release = [&](int t) {
+    if (in_wg == 0) mbar_arrive(empty0 + 8 * (t % S));
+  };
+  float acc[128];
+  int t = 0;
+  for (int64_t i = blockIdx.x; i < tiles; i += gridDim.x) {
+    const int r0 = static_cast<int>(i / col_tiles) * BM;
+    // One group of MMAs stays in flight: step t's stage is freed once step t + 1's MMAs are
+    // issued and t's have finished, the tile's last once all have.
+    for (int kt = 0; kt < k_tiles; ++kt, ++t) {
+      mbar_wait(full0 + 8 * (t % S), t / S & 1);
+      mma_stage<T, TRANS, Tile>(acc, stages_addr + t % S * STAGE_BYTES, c, kt > 0);
+      wgmma_wait<1>();
+      if (kt > 0) release(t - 1);
+    }
+    wgmma_wait<0>();
+    release(t - 1);
+
+    // Both warpgroups' MMAs are done (the row block is read) and the last tile's stores
+    // have read the staging tile: say so, then stage this tile.
+    int* const counter = counters + a.first_block + i / col_tiles;
+    if (leader) bulk_wait_read();
+    named_barrier(1, 128 * Tile::kConsumers);
+    if (leader) red_release_gpu_add(counter, 1);
 #pragma unroll
-      for (int q = 0; q < BN / 8; ++q) {
-        // Columns 8q + 2 (lane % 4) + {0, 1}: 16-byte chunk q % BK/8 of a row of box
-        // q / (BK/8), swizzled by the row (the 8 rows a warp writes at once fall in 8
-        // distinct chunks).
-        const float2 b = *reinterpret_cast<const float2*>(bias + 8 * q + 2 * (lane % 4));
-        unsigned char* const box = out + q / (BK / 8) * BOX_BYTES + 4 * (lane % 4);
+    for (int n = 0; n < BN / 8; ++n) {
+      // Columns 8n + 2 (lane % 4) + {0, 1}: 16-byte chunk n % BK/8 of a row of box n / (BK/8),
+      // swizzled by the row (the 8 rows a warp writes at once fall in 8 distinct chunks).
+      const float2 b = *reinterpret_cast<const float2*>(bias + 8 * n + 2 * (lane % 4));
+      unsigned char* const box = out + n / (BK / 8) * BOX_BYTES + 4 * (lane % 4);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = m + 8 * h;
-          *reinterpret_cast<uint32_t*>(box + r * kSwizzleBytes +
-                                       ((q % (BK / 8)) ^ (r % 8)) * 16) =
-              pack2<T>(acc[4 * q + 2 * h] + b.x, acc[4 * q + 2 * h + 1] + b.y);
-        }
-      }
-      fence_proxy_async_shared();
-      named_barrier(1, 128 * Tile::kConsumers);
-      if (leader) {
-        while (ld_acquire_gpu(counter) < col_tiles) __nanosleep(32);
-        fence_proxy_async_global();
-        for (int box = 0; box < BN / BK && j0 + box * BK < a.k; ++box)
-          tma_store_2d(&maps.x, j0 + box * BK, static_cast<int>(rb) * BM,
-                       out_addr + box * BOX_BYTES);
-        bulk_commit();
+      for (int h = 0; h < 2; ++h) {
+        const int r = m + 8 * h;
+        *reinterpret_cast<uint32_t*>(box + r * kSwizzleBytes + ((n % (BK / 8)) ^ (r % 8)) * 16) =
+            pack2<T>(acc[4 * n + 2 * h] + b.x, acc[4 * n + 2 * h + 1] + b.y);
       }
     }
-    if (leader) bulk_wait();
+    fence_proxy_async_shared();
+    named_barrier(1, 128 * Tile::kConsumers);
+    if (leader) {
+      while (ld_acquire_gpu(counter) < col_tiles) __nanosleep(32);
+      fence_proxy_async_global();
+      for (int box = 0; box < BN / BK && j0 + box * BK < a.k; ++box)
+        tma_store_2d(&maps.x, j0 + box * BK, r0, out_addr + box * BOX_BYTES);
+      bulk_commit();
+    }
   }
-  // The cluster's other CTA may still arrive on this one's barriers until it is done.
-  cluster_sync();
+  if (leader) bulk_wait();
 }
 
 template <typename T, bool TRANS, class Tile>
@@ -1606,17 +1572,14 @@ bool tma_ready(const Args<T>& a) {
   return a.row.ndim <= 1 && encode_tiled() != nullptr;
 }
 
-// The tensor maps of a launch of a warpgroup kernel: x from row row0, `rows` rows, in boxes of
-// 1 / x_parts of a tile's rows, and W in boxes of 1 / w_parts of a tile (transposed).
+// The tensor maps of a launch of the warpgroup kernel: x from row row0, `rows` rows.
 template <typename T, bool TRANS, class Tile>
-cudaError_t make_maps(const Args<T>& a, int64_t row0, int64_t rows, int x_parts, int w_parts,
-                      TmaMaps* m) {
+cudaError_t make_maps(const Args<T>& a, int64_t row0, int64_t rows, int cluster, TmaMaps* m) {
   const int64_t pitch = (a.row.ndim == 1 ? a.row.strides[0] : a.k) * sizeof(T);
   const bool ok =
       encode_map(&m->x, a.x + a.row.offset(row0), a.k, rows, round_up(pitch, 16), Tile::BK,
-                 Tile::BM / x_parts) &&
-      encode_map(&m->w, a.w, a.k, a.k, a.k * sizeof(T), Tile::BK,
-                 TRANS ? Tile::BN / w_parts : Tile::BK);
+                 Tile::BM / cluster) &&
+      encode_map(&m->w, a.w, a.k, a.k, a.k * sizeof(T), Tile::BK, TRANS ? Tile::BN : Tile::BK);
   return ok ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -1643,7 +1606,7 @@ cudaError_t launch_stream_tile(Args<T> a, const StreamPlan& p, cudaStream_t stre
       TmaMaps maps;
       const int64_t row0 = first * Tile::BM;
       err = make_maps<T, TRANS, Tile>(a, row0, std::min(a.rows - row0, blocks * Tile::BM),
-                                      p.cluster, 1, &maps);
+                                      p.cluster, &maps);
       if (err == cudaSuccess)
         err = cudaLaunchKernelEx(&cfg, stream_kernel_of<T, TRANS>(Tile{}), a, maps);
     } else {
@@ -1713,76 +1676,45 @@ Args<T> make_args(T* x, const RowLayout& layout, const T* w, const T* bias, bool
 }
 
 // The handshake kernel's tile: the warpgroup kernel's with three stages, which leave room for
-// the staging tile and the bias.
+// the staging tile.
 using HandshakeTile = WgmmaTile<3>;
 constexpr size_t kHandshakeSmem =
     HandshakeTile::kSmemSlack +
     (HandshakeTile::kStages * HandshakeTile::STAGE + HandshakeTile::BM * HandshakeTile::BN) * 2 +
     HandshakeTile::BN * sizeof(float);
 
-// TEMPORARY A/B switch (MTI_HS="C,R": clusters of C CTAs; R = 1 rounds the clusters down to
-// a multiple of the column tiles).
-inline int hs_env(int which) {
-  static int v[2] = {-1, -1};
-  if (v[0] < 0) {
-    const char* e = getenv("MTI_HS");
-    v[0] = 2;
-    v[1] = 0;
-    if (e != nullptr) sscanf(e, "%d,%d", &v[0], &v[1]);
-  }
-  return v[which];
-}
-constexpr int kHandshakeMaxCluster = 2;
-
 template <typename T, bool TRANS>
 auto handshake_kernel_of() {
   return &handshake_kernel<T, TRANS, HandshakeTile>;
 }
 
-// A cooperative launch of the handshake kernel in clusters of `cluster` CTAs (attrs: room
-// for two).
-inline cudaLaunchConfig_t handshake_config(int cluster, unsigned grid, cudaStream_t stream,
-                                           cudaLaunchAttribute* attrs) {
-  attrs[0] = cluster_dims(cluster);
-  attrs[1].id = cudaLaunchAttributeCooperative;
-  attrs[1].val.cooperative = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(HandshakeTile::THREADS);
-  cfg.dynamicSmemBytes = kHandshakeSmem;
-  cfg.stream = stream;
-  cfg.attrs = attrs;
-  cfg.numAttrs = 2;
-  return cfg;
-}
-
-// The handshake kernel's cluster size and grid on the current device for K: as many clusters
-// as are resident at once, at least a row block's column tiles (grid 0: fewer fit). Occupancy
-// asked once per device, after raising the kernel's shared memory limit there (which
-// launch_handshake relies on).
+// The handshake kernel's grid on the current device for K: as many CTAs as are resident at
+// once, rounded down to a multiple of the column tiles (0: fewer fit than a row block has
+// tiles). Occupancy asked once per device, after raising the kernel's shared memory limit
+// there (which launch_handshake relies on).
 template <typename T, bool TRANS>
-int handshake_grid(int k, int* cluster_out) {
-  static std::atomic<int> cache[kMaxDevices];  // resident clusters + 1; 0: not asked yet
-  const int cluster = hs_env(0);
-  *cluster_out = cluster;
+int handshake_grid(int k) {
+  static std::atomic<int> cache[kMaxDevices];  // resident CTAs + 1; 0: not asked yet
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   std::atomic<int>* slot = device < kMaxDevices ? &cache[device] : nullptr;
   int resident = slot != nullptr ? slot->load(std::memory_order_relaxed) - 1 : -1;
   if (resident < 0) {
     const auto kernel = handshake_kernel_of<T, TRANS>();
-    cudaLaunchAttribute attrs[2];
-    const cudaLaunchConfig_t cfg = handshake_config(cluster, cluster, nullptr, attrs);
+    int per_sm = 0, sms = 0;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(kHandshakeSmem)) != cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg) != cudaSuccess) {
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, HandshakeTile::THREADS,
+                                                      kHandshakeSmem) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
       cudaGetLastError();
-      resident = 0;
+      per_sm = 0;
     }
+    resident = per_sm * sms;
     if (slot != nullptr) slot->store(resident + 1, std::memory_order_relaxed);
   }
   const int col_tiles = (k + HandshakeTile::BN - 1) / HandshakeTile::BN;
-  return resident / col_tiles * col_tiles * cluster;
+  return resident / col_tiles * col_tiles;
 }
 
 // Whether the handshake kernel applies: where the warpgroup kernel does, with cooperative
@@ -1790,26 +1722,21 @@ int handshake_grid(int k, int* cluster_out) {
 // of the multiprocessors busy (fewer rows are left to cuBLAS, which splits them finer).
 template <typename T, bool TRANS>
 bool handshake_applies(const Args<T>& a, const DeviceInfo& d) {
-  int cluster = 0;
-  if (!wgmma_applies(a, d) || !d.coop || handshake_grid<T, TRANS>(a.k, &cluster) == 0)
-    return false;
+  if (!wgmma_applies(a, d) || !d.coop || handshake_grid<T, TRANS>(a.k) == 0) return false;
   const int64_t col_tiles = (a.k + HandshakeTile::BN - 1) / HandshakeTile::BN;
   return 2 * ceil_div(a.rows, HandshakeTile::BM) * col_tiles >= d.num_sms;
 }
 
 // Launches the handshake kernel (handshake_applies holds) in launches of at most INT_MAX / BM
-// - 1 row blocks (an even number), so that the tensor maps' row coordinates stay 32-bit.
+// - 1 row blocks, so that the tensor maps' row coordinates stay 32-bit.
 template <typename T, bool TRANS>
 cudaError_t launch_handshake(Args<T> a, int* counters, cudaStream_t stream) {
   using Tile = HandshakeTile;
   const auto kernel = handshake_kernel_of<T, TRANS>();
-  int cluster = 0;
-  const int grid = handshake_grid<T, TRANS>(a.k, &cluster);
+  const int grid = handshake_grid<T, TRANS>(a.k);
   const int64_t col_tiles = (a.k + Tile::BN - 1) / Tile::BN;
   const int64_t row_blocks = ceil_div(a.rows, Tile::BM), total_rows = a.rows;
   constexpr int64_t kPerLaunch = INT_MAX / Tile::BM - 1;
-  static_assert(kPerLaunch % kHandshakeMaxCluster == 0, "groups do not straddle launches");
-  a.cluster = cluster;
   // The kernel's shared memory limit was raised by handshake_grid, for this device.
   cudaError_t err = cudaSuccess;
   for (int64_t first = 0; err == cudaSuccess && first < row_blocks; first += kPerLaunch) {
@@ -1818,14 +1745,13 @@ cudaError_t launch_handshake(Args<T> a, int* counters, cudaStream_t stream) {
     a.first_block = first;
     a.rows = std::min(total_rows - row0, blocks * Tile::BM);  // this launch's
     TmaMaps maps;
-    err = make_maps<T, TRANS, Tile>(a, row0, a.rows, 1, cluster, &maps);
+    err = make_maps<T, TRANS, Tile>(a, row0, a.rows, 1, &maps);
     if (err != cudaSuccess) break;
-    const int64_t group_tiles = ceil_div(blocks, cluster) * col_tiles;
-    cudaLaunchAttribute attrs[2];
-    const cudaLaunchConfig_t cfg = handshake_config(
-        cluster, static_cast<unsigned>(std::min<int64_t>(grid, group_tiles * cluster)), stream,
-        attrs);
-    err = cudaLaunchKernelEx(&cfg, kernel, a, maps, counters);
+    void* params[] = {&a, &maps, &counters};
+    err = cudaLaunchCooperativeKernel(
+        reinterpret_cast<const void*>(kernel),
+        dim3(static_cast<unsigned>(std::min<int64_t>(grid, blocks * col_tiles))),
+        dim3(Tile::THREADS), params, kHandshakeSmem, stream);
   }
   return err == cudaSuccess ? cudaGetLastError() : err;
 }
