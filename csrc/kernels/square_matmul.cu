@@ -150,7 +150,8 @@ __device__ __forceinline__ T w_or_zero(const Args<T>& a, int g, int c) {
 
 // bias[j] and bias[j + 1], zeros without a bias or past K (which is even). Plain loads: __ldg
 // of a 16-bit type is inline assembly, which the compiler may take for pure and hoist above
-// the null test (the handshake kernel, so compiled, read address 0x12 on an H100).
+// the null test (the handshake kernel's first form, so compiled, read address 0x12 on an
+// H100).
 template <typename T>
 __device__ __forceinline__ float2 bias_pair(const Args<T>& a, int j) {
   if (a.bias == nullptr || j >= a.k) return make_float2(0.f, 0.f);
@@ -1688,6 +1689,9 @@ auto handshake_kernel_of() {
   return &handshake_kernel<T, TRANS, HandshakeTile>;
 }
 
+// A row block's output tiles (T in the kernel's comment).
+inline int handshake_col_tiles(int k) { return ceil_div(k, HandshakeTile::BN); }
+
 // The handshake kernel's grid on the current device for K: as many CTAs as are resident at
 // once, rounded down to a multiple of the column tiles (0: fewer fit than a row block has
 // tiles). Occupancy asked once per device, after raising the kernel's shared memory limit
@@ -1713,7 +1717,7 @@ int handshake_grid(int k) {
     resident = per_sm * sms;
     if (slot != nullptr) slot->store(resident + 1, std::memory_order_relaxed);
   }
-  const int col_tiles = (k + HandshakeTile::BN - 1) / HandshakeTile::BN;
+  const int col_tiles = handshake_col_tiles(k);
   return resident / col_tiles * col_tiles;
 }
 
@@ -1723,8 +1727,7 @@ int handshake_grid(int k) {
 template <typename T, bool TRANS>
 bool handshake_applies(const Args<T>& a, const DeviceInfo& d) {
   if (!wgmma_applies(a, d) || !d.coop || handshake_grid<T, TRANS>(a.k) == 0) return false;
-  const int64_t col_tiles = (a.k + HandshakeTile::BN - 1) / HandshakeTile::BN;
-  return 2 * ceil_div(a.rows, HandshakeTile::BM) * col_tiles >= d.num_sms;
+  return 2 * ceil_div(a.rows, HandshakeTile::BM) * handshake_col_tiles(a.k) >= d.num_sms;
 }
 
 // Launches the handshake kernel (handshake_applies holds) in launches of at most INT_MAX / BM
@@ -1734,7 +1737,7 @@ cudaError_t launch_handshake(Args<T> a, int* counters, cudaStream_t stream) {
   using Tile = HandshakeTile;
   const auto kernel = handshake_kernel_of<T, TRANS>();
   const int grid = handshake_grid<T, TRANS>(a.k);
-  const int64_t col_tiles = (a.k + Tile::BN - 1) / Tile::BN;
+  const int64_t col_tiles = handshake_col_tiles(a.k);
   const int64_t row_blocks = ceil_div(a.rows, Tile::BM), total_rows = a.rows;
   constexpr int64_t kPerLaunch = INT_MAX / Tile::BM - 1;
   // The kernel's shared memory limit was raised by handshake_grid, for this device.
