@@ -61,7 +61,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch._C._dynamo.eval_frame import set_eval_frame
+from torch._dynamo.mutation_guard import GenerationTracker
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
@@ -154,7 +157,9 @@ class ConvertedModule(nn.Module):
         super().__init__()
         self.module = module
         self._backend = _Backend(verbose)
-        self._captured: set[tuple] = set()  # _input_signature of the calls seen so far
+        # _input_signature of each call captured so far, and how many of this converted
+        # module's graphs that call ran (one, or more where Dynamo split the forward).
+        self._captured: dict[tuple, int] = {}
         # A bound method, not the OptimizedModule torch.compile(module) would return, so the
         # parameters are registered once (under self.module). Static shapes come from
         # _CAPTURE_CONFIG, not dynamic=False, which would patch Dynamo's config around every
@@ -169,20 +174,48 @@ class ConvertedModule(nn.Module):
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # under no_grad / inference_mode, skip the call
             _check_no_autograd(self.module, args, kwargs)
-        # Dynamo reads these settings only when it captures, which with static shapes is when
-        # the inputs' layouts change. Patching the config costs tens of microseconds, a good
-        # part of a small model's whole forward on a GPU, so a call with known layouts skips
-        # it. A capture that happens anyway (a guard on something else failed: grad mode, a
-        # module attribute) runs with Dynamo's defaults, which is still safe: the backend
-        # handles symbolic shapes, and past the default recompile limit Dynamo runs the
-        # original forward.
+        # A call with input layouts seen before runs the code Dynamo holds, without entering
+        # torch.compile's Python wrapper (_run_cached), which costs a small model's forward
+        # on a GPU, bound by its host time, ~10% (benchmarks/convert_overhead.py). Dynamo's
+        # guards still decide what runs. Where they reject this module's graphs (something
+        # else than the inputs changed: grad mode, a module attribute), or pick another
+        # capture's (another module of the same class, or another torch.compile of it), the
+        # call is still computed correctly, by the original code or that other capture, but
+        # may save nothing: the count of our graphs that ran tells, and the next such call
+        # goes through torch.compile again, which captures anew where the guards fail.
         signature = _input_signature(args, kwargs)
-        if signature in self._captured:
-            return self._compiled_call(*args, **kwargs)
+        graphs = self._captured.get(signature)
+        if graphs is not None and not torch.compiler.is_compiling():
+            ran = self._backend.graph_calls
+            out = _run_cached(self.module, args, kwargs)
+            if self._backend.graph_calls - ran != graphs:
+                del self._captured[signature]
+            return out
+        # Dynamo reads these settings only when it captures, which with static shapes is when
+        # the inputs' layouts change. Patching the config costs tens of microseconds, so only
+        # a call with new layouts does. A capture that happens anyway (a guard on something
+        # else failed: grad mode, a module attribute) runs with Dynamo's defaults, which is
+        # still safe: the backend handles symbolic shapes, and past the default recompile
+        # limit Dynamo runs the original forward.
+        ran = self._backend.graph_calls
         with torch._dynamo.config.patch(_capture_config()):
             out = self._compiled_call(*args, **kwargs)
-        self._captured.add(signature)
+        self._captured[signature] = self._backend.graph_calls - ran
         return out
+
+
+def _run_cached(module: nn.Module, args, kwargs):
+    """module(*args, **kwargs) with Dynamo in run-only mode: each frame runs the compiled code
+    Dynamo holds for it whose guards pass, else its original code, and nothing is compiled.
+    That is torch._dynamo.run(module)(...) without its Python wrapper (the one torch.compile's
+    functions share), which measured 10-20 us a call on the CPU: the same C-level switch,
+    and the same count of calls that CUDA graph trees read."""
+    GenerationTracker.generation += 1
+    prior = set_eval_frame(False)
+    try:
+        return module(*args, **kwargs)
+    finally:
+        set_eval_frame(prior)
 
 
 # matmul_over_left computes its product this many bytes at a time (whole matrices of the
@@ -298,10 +331,22 @@ class _Backend:
     def __init__(self, verbose: bool) -> None:
         self.verbose = verbose
         self.sites: list[Site] = []
+        self.graph_calls = 0  # calls of the graphs it returned, which ConvertedModule reads
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         self.sites.extend(_rewrite_graph(gm, report=print if self.verbose else None))
-        return gm.forward
+        # A lazily recompiled GraphModule's forward generates its code at the first call, and
+        # then goes through nn.Module.__call__ at every call (~5 us of host time on the CPU);
+        # generated now, gm.forward is the generated function itself.
+        if isinstance(gm, _LazyGraphModule):
+            gm.real_recompile()
+        forward = gm.forward
+
+        def run(*args):
+            self.graph_calls += 1
+            return forward(*args)
+
+        return run
 
 
 def _input_signature(args, kwargs) -> tuple:

@@ -188,6 +188,80 @@ def test_one_static_capture_per_input_layout(monkeypatch):
                 assert all(isinstance(s, int) for s in value.shape), node.format_node()
 
 
+def _counting_compiled_call(monkeypatch, converted) -> list:
+    """Records each call that goes through the converted module's torch.compile'd call."""
+    calls = []
+    compiled = converted._compiled_call
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(converted, "_compiled_call", counting)
+    return calls
+
+
+def _check_call(converted, model, *inputs):
+    """One converted call under no_grad, checked against the model and its fp64 copy."""
+    with torch.no_grad():
+        expected = model(*inputs)
+        ref64 = copy.deepcopy(model).double()(*(x.double() for x in inputs))
+        ran = converted._backend.graph_calls
+        assert_accurate(converted(*inputs), expected, ref64)
+    return converted._backend.graph_calls - ran
+
+
+def test_known_layouts_run_the_rewritten_graph_without_torch_compile(monkeypatch):
+    model = make_block(PreNormBlock, "cpu")
+    converted = mti.convert(model)
+    calls = _counting_compiled_call(monkeypatch, converted)
+    inputs = block_inputs("cpu")
+    for _ in range(3):
+        assert _check_call(converted, model, *inputs) == 1  # the rewritten graph ran
+    assert len(calls) == 1  # only the first call captured
+    assert "softmax_" in ops_of(converted)
+
+
+class ScaledBlock(PreNormBlock):
+    """PreNormBlock whose output scale is a Python attribute: Dynamo guards on its value."""
+
+    def __init__(self):
+        super().__init__()
+        self.out_scale = 1.0
+
+    def forward(self, x, mask):
+        return super().forward(x, mask) * self.out_scale
+
+
+def test_guard_failure_on_known_layouts_is_computed_right_and_recaptured(monkeypatch):
+    """A known input layout whose cached graph no longer fits (an attribute it was traced
+    with changed): the call still computes the new value, and the next one captures anew."""
+    model = make_block(ScaledBlock, "cpu")
+    converted = mti.convert(model)
+    calls = _counting_compiled_call(monkeypatch, converted)
+    inputs = block_inputs("cpu")
+    assert _check_call(converted, model, *inputs) == 1
+    model.out_scale = 2.0
+    assert _check_call(converted, model, *inputs) == 0  # Dynamo ran the original code
+    assert len(calls) == 1
+    for _ in range(2):
+        assert _check_call(converted, model, *inputs) == 1
+    assert len(calls) == 2
+
+
+def test_two_converted_modules_of_one_class_take_turns():
+    """Dynamo keeps one cache per code object: each converted module's calls must compute its
+    own model's outputs whichever module's graph the cache holds first."""
+    models = [make_block(PreNormBlock, "cpu", seed=seed) for seed in (0, 1)]
+    converted = [mti.convert(model) for model in models]
+    inputs = block_inputs("cpu")
+    ran = [0, 0]
+    for _ in range(3):
+        for i in (0, 1):
+            ran[i] += _check_call(converted[i], models[i], *inputs)
+    assert all(ran), ran  # each module's own graphs ran for some of its calls
+
+
 def test_input_signature_tells_layouts_apart():
     signature = importlib.import_module("make_torch_inplace.convert")._input_signature
     x = torch.randn(4, 6)
