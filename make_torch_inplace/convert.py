@@ -226,8 +226,11 @@ _OVER_LEFT_PIECE_BYTES = 2 << 20
 
 def matmul_over_left(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for a contiguous float (..., M, K) `a` that nothing reads afterwards and a
-    (..., K, N) `b` with the same batch dims, N <= K: the product is written, contiguous, over
-    the first elements of a's memory and returned (a view of that memory).
+    (..., K, N) `b` with the same batch dims, N <= K: the product, contiguous, written over
+    the first elements of a's memory and returned (a view of that memory). A product that is
+    one piece is returned as computed instead: copying it over `a` would allocate as much
+    (the piece's temporary) and add a launch (host time, which a small model's forward is
+    bound by).
 
     Each piece of matrices i0 .. i1 - 1 is read whole (into the temporary) before its product
     is written, to elements [i0 * M * N, i1 * M * N) of a: since N <= K, inside matrices
@@ -241,9 +244,11 @@ def matmul_over_left(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             f"same batch dims and N <= K, got {tuple(a.shape)} and {tuple(b.shape)}"
         )
     count = math.prod(batch)
+    step = max(1, _OVER_LEFT_PIECE_BYTES // max(1, m * n * a.element_size()))
+    if step >= count:
+        return torch.matmul(a, b)
     a3, b3 = a.view(count, m, k), b.reshape(count, k, n)
     out = a.as_strided((count, m, n), (m * n, n, 1))
-    step = max(1, _OVER_LEFT_PIECE_BYTES // max(1, m * n * a.element_size()))
     for i0 in range(0, count, step):
         i1 = min(i0 + step, count)
         out[i0:i1].copy_(torch.bmm(a3[i0:i1], b3[i0:i1]))
