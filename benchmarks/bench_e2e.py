@@ -234,26 +234,24 @@ def with_ratios(records: list[dict]) -> list[dict]:
 
 
 def goals(rows: list[dict]) -> list[str]:
-    """The issue's targets, checked on batch-1 rows: one line per model and attention."""
+    """The issue's targets: one line per model and attention. Latency is checked on every
+    row, peak memory on the rows of seq >= the goal's minimum (every batch)."""
     lines = []
     for model in dict.fromkeys(r["model"] for r in rows):
         for variant, min_seq, max_peak, max_ms, strict in (
             ("eager+convert", 4096, 0.5, 1.1, False),
             ("sdpa+convert", 0, 1.0, 1.05, True),
         ):
-            sel = [
-                r for r in rows
-                if r["model"] == model and r["variant"] == variant and r["batch"] == 1
-                and r["seq"] >= min_seq
-            ]
+            sel = [r for r in rows if r["model"] == model and r["variant"] == variant]
             if not sel:
                 continue
-            worst_peak = max(r["peak_ratio"] for r in sel)
+            peaks = [r["peak_ratio"] for r in sel if r["seq"] >= min_seq]
+            worst_peak = max(peaks, default=0.0)
             worst_ms = max(r["ms_ratio"] for r in sel)
             peak_ok = worst_peak < max_peak if strict else worst_peak <= max_peak
             ok = "PASS" if peak_ok and worst_ms <= max_ms else "FAIL"
             lines.append(
-                f"{ok} {model} {variant} (seq >= {min_seq}): peak ratio <= {worst_peak:.3f} "
+                f"{ok} {model} {variant}: peak ratio <= {worst_peak:.3f} at seq >= {min_seq} "
                 f"(goal {'<' if strict else '<='} {max_peak}), latency ratio <= {worst_ms:.3f} "
                 f"(goal <= {max_ms})"
             )
@@ -266,7 +264,7 @@ def report(records: list[dict]) -> None:
                "max_abs_diff"]
     table = markdown_table(rows, columns)
     goal_lines = goals(rows)
-    md = table + "\nGoals (batch 1):\n\n" + "".join(f"- {g}\n" for g in goal_lines)
+    md = table + "\nGoals:\n\n" + "".join(f"- {g}\n" for g in goal_lines)
     print("\n" + md)
     json_path, md_path = write_results("e2e", records, md)
     out = results_dir()
