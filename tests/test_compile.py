@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import make_torch_inplace as mti
-from helpers import DEVICES, randn
+from helpers import DEVICES, randn, requires_cuda
 
 _ops = torch.ops.make_torch_inplace
 F32 = torch.float32
@@ -94,9 +94,7 @@ def block_inputs(device, t=5):
     return x, pad_mask
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_compiled_block_matches_eager(device, backend):
+def check_compiled_block(device, backend):
     torch._dynamo.reset()
     p = make_params(device)
     compiled = torch.compile(block, backend=backend, fullgraph=True)
@@ -108,6 +106,27 @@ def test_compiled_block_matches_eager(device, backend):
             got = compiled(x, pad_mask, p)
             torch.testing.assert_close(got, expected)
             assert torch.equal(x, x_before), "the block must not write its input"
+
+
+# Inductor's shape padding (pad_mm) pads the scores' bmm to multiples of 8 where it times
+# faster, then hands softmax_ the padded buffer reinterpreted as contiguous (2, 2, 5, 5):
+# every output wrong (H100, torch 2.11; seen in the generated code). Whether it pads is
+# decided by timing at compile time, which made the test fail on some machines only. It is
+# off here so the test checks our ops; the strict xfail below keeps it padded, and fails once
+# torch no longer mishandles it. README, "Known issues".
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_block_matches_eager(device, backend):
+    with torch._inductor.config.patch(shape_padding=False):
+        check_compiled_block(device, backend)
+
+
+@requires_cuda
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="inductor's shape padding miscompiles a mutating op on a padded bmm")
+def test_compiled_block_with_inductor_shape_padding():
+    with torch._inductor.config.patch(shape_padding=True, force_shape_pad=True):
+        check_compiled_block("cuda", "inductor")
 
 
 def mutate_input(x, w, mask):
