@@ -158,7 +158,8 @@ class ConvertedModule(nn.Module):
         self.module = module
         self._backend = _Backend(verbose)
         # _input_signature of each call captured so far, and how many of this converted
-        # module's graphs that call ran (one, or more where Dynamo split the forward).
+        # module's graphs that call ran (one, or more where Dynamo split the forward), or
+        # _THROUGH_COMPILE.
         self._captured: dict[tuple, int] = {}
         # A bound method, not the OptimizedModule torch.compile(module) would return, so the
         # parameters are registered once (under self.module). Static shapes come from
@@ -174,34 +175,40 @@ class ConvertedModule(nn.Module):
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # under no_grad / inference_mode, skip the call
             _check_no_autograd(self.module, args, kwargs)
-        # A call with input layouts seen before runs the code Dynamo holds, without entering
-        # torch.compile's Python wrapper (_run_cached), which costs a small model's forward
-        # on a GPU, bound by its host time, ~10% (benchmarks/convert_overhead.py). Dynamo's
-        # guards still decide what runs. Where they reject this module's graphs (something
-        # else than the inputs changed: grad mode, a module attribute), or pick another
-        # capture's (another module of the same class, or another torch.compile of it), the
-        # call is still computed correctly, by the original code or that other capture, but
-        # may save nothing: the count of our graphs that ran tells, and the next such call
-        # goes through torch.compile again, which captures anew where the guards fail.
-        signature = _input_signature(args, kwargs)
-        graphs = self._captured.get(signature)
-        if graphs is not None and not torch.compiler.is_compiling():
-            ran = self._backend.graph_calls
-            out = _run_cached(self.module, args, kwargs)
-            if self._backend.graph_calls - ran != graphs:
-                del self._captured[signature]
-            return out
-        # Dynamo reads these settings only when it captures, which with static shapes is when
-        # the inputs' layouts change. Patching the config costs tens of microseconds, so only
-        # a call with new layouts does. A capture that happens anyway (a guard on something
-        # else failed: grad mode, a module attribute) runs with Dynamo's defaults, which is
+        # Dynamo reads _capture_config only when it captures, which with static shapes is
+        # when the inputs' layouts change. Patching the config costs tens of microseconds, so
+        # only a call with a new signature does. A capture that happens anyway (a guard on
+        # something else failed: a module attribute) runs with Dynamo's defaults, which is
         # still safe: the backend handles symbolic shapes, and past the default recompile
         # limit Dynamo runs the original forward.
+        signature = _input_signature(args, kwargs)
+        graphs = self._captured.get(signature)
+        if graphs is None:
+            ran = self._backend.graph_calls
+            with torch._dynamo.config.patch(_capture_config()):
+                out = self._compiled_call(*args, **kwargs)
+            self._captured[signature] = self._backend.graph_calls - ran
+            return out
+        if graphs == _THROUGH_COMPILE or torch.compiler.is_compiling():
+            return self._compiled_call(*args, **kwargs)
+        # A known signature runs the code Dynamo holds without entering torch.compile's
+        # Python wrapper (_run_cached), which costs a small model's forward on a GPU, bound by
+        # its host time, ~10% (benchmarks/convert_overhead.py). Dynamo's guards still decide
+        # what runs. Where they reject this module's graphs (something the signature does not
+        # hold changed: a module attribute, autocast), the call runs the original code, and
+        # where they pick another capture's (another module of the same class, another
+        # torch.compile of it), that one: correct either way, but the first may save
+        # nothing. The count of our graphs that ran tells, and the signature's later calls go
+        # through torch.compile, which captures anew where the guards fail.
         ran = self._backend.graph_calls
-        with torch._dynamo.config.patch(_capture_config()):
-            out = self._compiled_call(*args, **kwargs)
-        self._captured[signature] = self._backend.graph_calls - ran
+        out = _run_cached(self.module, args, kwargs)
+        if self._backend.graph_calls - ran != graphs:
+            self._captured[signature] = _THROUGH_COMPILE
         return out
+
+
+# ConvertedModule._captured's mark of a signature whose cached run missed its graphs.
+_THROUGH_COMPILE = -1
 
 
 def _run_cached(module: nn.Module, args, kwargs):
@@ -355,11 +362,14 @@ class _Backend:
 
 
 def _input_signature(args, kwargs) -> tuple:
-    """What a static-shape capture of a call depends on in its inputs: tensors' layouts and
-    Python scalars' values (Dynamo specializes on both). It runs on every call, where a small
-    model's forward is bound by host time: list comprehensions over a module-level function
-    cost a third less there than map() over a closure made at each call."""
+    """What a static-shape capture of a call depends on in its inputs, and what Dynamo's
+    guards on them check that commonly changes between calls: tensors' layouts, whether they
+    require grad or are inference tensors, Python scalars' values, and grad mode. It runs on
+    every call, where a small model's forward is bound by host time: list comprehensions over
+    a module-level function cost a third less there than map() over a closure made at each
+    call."""
     return (
+        torch.is_grad_enabled(),
         tuple([_arg_signature(a) for a in args]),
         tuple([(k, _arg_signature(v)) for k, v in kwargs.items()]),
     )
@@ -367,7 +377,7 @@ def _input_signature(args, kwargs) -> tuple:
 
 def _arg_signature(a):
     if isinstance(a, torch.Tensor):
-        return a.shape, a.stride(), a.dtype, a.device
+        return a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.is_inference()
     if isinstance(a, (list, tuple, dict)):
         leaves, spec = pytree.tree_flatten(a)
         return spec, tuple([_arg_signature(leaf) for leaf in leaves])

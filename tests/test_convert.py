@@ -235,7 +235,8 @@ class ScaledBlock(PreNormBlock):
 
 def test_guard_failure_on_known_layouts_is_computed_right_and_recaptured(monkeypatch):
     """A known input layout whose cached graph no longer fits (an attribute it was traced
-    with changed): the call still computes the new value, and the next one captures anew."""
+    with changed): the call still computes the new value, and the later ones go through
+    torch.compile, which captures anew."""
     model = make_block(ScaledBlock, "cpu")
     converted = mti.convert(model)
     calls = _counting_compiled_call(monkeypatch, converted)
@@ -246,7 +247,27 @@ def test_guard_failure_on_known_layouts_is_computed_right_and_recaptured(monkeyp
     assert len(calls) == 1
     for _ in range(2):
         assert _check_call(converted, model, *inputs) == 1
-    assert len(calls) == 2
+    assert len(calls) == 3
+
+
+def test_grad_modes_and_inference_tensors_take_turns():
+    """Calls that differ in what Dynamo guards on besides layouts (grad mode, inference
+    tensors) are told apart before they run: each runs a rewritten graph."""
+    model = make_block(PreNormBlock, "cpu").requires_grad_(False)
+    converted = mti.convert(model)
+    x, mask = block_inputs("cpu")
+    with torch.inference_mode():
+        inference_inputs = x.clone(), mask.clone()
+    with torch.no_grad():
+        expected = model(x, mask)
+    cases = [(torch.no_grad, (x, mask)), (torch.enable_grad, (x, mask)),
+             (torch.inference_mode, inference_inputs)]
+    for _ in range(2):
+        for mode, inputs in cases:
+            ran = converted._backend.graph_calls
+            with mode():
+                torch.testing.assert_close(converted(*inputs), expected)
+            assert converted._backend.graph_calls - ran == 1, mode
 
 
 def test_two_converted_modules_of_one_class_take_turns():
@@ -280,7 +301,13 @@ def test_input_signature_tells_layouts_apart():
         call(x, (x, 2), scale=0.5),  # a tuple for a list
         call(x, [x, 2], factor=0.5),  # a keyword
         call(x, [x, 2], 0.5),  # positional for keyword
+        call(x.requires_grad_(), [x, 2], scale=0.5),  # requires grad
     ]
+    x.requires_grad_(False)
+    with torch.inference_mode():
+        different.append(call(x.clone(), [x, 2], scale=0.5))  # an inference tensor
+    with torch.no_grad():
+        different.append(call(x, [x, 2], scale=0.5))  # grad mode
     assert base not in different
     assert len(set(different)) == len(different)
 
