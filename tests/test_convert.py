@@ -80,8 +80,9 @@ def block_inputs(device, dtype=torch.float32, b=2, t=8):
 
 
 def check_converted(model, *inputs, mode=torch.no_grad):
-    """Runs the original, an fp64 copy and the converted model under `mode`; checks accuracy
-    and that the inputs and parameters are untouched. Returns the converted module."""
+    """Runs the original, an fp64 copy and the converted model (twice: capture, then the
+    captured code) under `mode`; checks accuracy and that the inputs and parameters are
+    untouched. Returns the converted module."""
     params = {k: v.clone() for k, v in model.state_dict().items()}
     before = [x.clone() for x in inputs]
     as64 = [x.double() if x.is_floating_point() else x for x in inputs]
@@ -89,9 +90,13 @@ def check_converted(model, *inputs, mode=torch.no_grad):
         ref64 = copy.deepcopy(model).double()(*as64)
         expected = model(*inputs)
         converted = mti.convert(model)
-        out = converted(*inputs)
-    for o, e, r in zip(*map(pytree.tree_leaves, (out, expected, ref64)), strict=True):
+        out = converted(*inputs)  # captures
+        captured_graphs = converted._backend.graph_calls
+        again = converted(*inputs)  # runs what was captured (run-only)
+    assert converted._backend.graph_calls == 2 * captured_graphs, "the second call's graphs"
+    for o, a, e, r in zip(*map(pytree.tree_leaves, (out, again, expected, ref64)), strict=True):
         assert_accurate(o, e, r)
+        assert_accurate(a, e, r)
     for x, b in zip(inputs, before, strict=True):
         assert torch.equal(x, b), "an input was written"
     for k, v in model.state_dict().items():
