@@ -5,8 +5,9 @@ Variants, each called under torch.inference_mode() (--no-grad: torch.no_grad()) 
 inputs every call, so a compiled one stays on its steady-state path:
 
   eager           the model as is
-  compile-noop    torch.compile(model.__call__) with a backend that returns the graph as is,
-                  Dynamo's settings left at their defaults: Dynamo's own entry and guard cost
+  compile-noop    torch.compile of a function calling the model, with a backend that returns
+                  the graph as is, Dynamo's settings left at their defaults: Dynamo's own
+                  entry and guard cost
   convert         mti.convert(model)
   convert-cached  what a converted call with known input layouts runs (convert's _run_cached:
                   Dynamo's cached code, entered without torch.compile's Python wrapper),

@@ -79,24 +79,32 @@ def block_inputs(device, dtype=torch.float32, b=2, t=8):
     return x, mask
 
 
-def check_converted(model, *inputs, mode=torch.no_grad):
-    """Runs the original, an fp64 copy and the converted model (twice: capture, then the
-    captured code) under `mode`; checks accuracy and that the inputs and parameters are
-    untouched. Returns the converted module."""
-    params = {k: v.clone() for k, v in model.state_dict().items()}
-    before = [x.clone() for x in inputs]
+def check_call(converted, model, *inputs, mode=torch.no_grad):
+    """One call of the converted module under `mode`, checked against the model and its fp64
+    copy, run first (the converted call may overwrite its temporaries, never its inputs).
+    Returns how many of the converted module's graphs the call ran."""
     as64 = [x.double() if x.is_floating_point() else x for x in inputs]
     with mode():
         ref64 = copy.deepcopy(model).double()(*as64)
         expected = model(*inputs)
-        converted = mti.convert(model)
-        out = converted(*inputs)  # captures
-        captured_graphs = converted._backend.graph_calls
-        again = converted(*inputs)  # runs what was captured (run-only)
-    assert converted._backend.graph_calls == 2 * captured_graphs, "the second call's graphs"
-    for o, a, e, r in zip(*map(pytree.tree_leaves, (out, again, expected, ref64)), strict=True):
+        ran = converted._backend.graph_calls
+        out = converted(*inputs)
+    for o, e, r in zip(*map(pytree.tree_leaves, (out, expected, ref64)), strict=True):
         assert_accurate(o, e, r)
-        assert_accurate(a, e, r)
+    return converted._backend.graph_calls - ran
+
+
+def check_converted(model, *inputs, mode=torch.no_grad):
+    """Converts the model and calls it twice under `mode` (capture, then the captured code),
+    each call checked by check_call, the second running as many graphs as the first; checks
+    that the inputs and parameters are untouched. Returns the converted module."""
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    before = [x.clone() for x in inputs]
+    converted = mti.convert(model)
+    captured_graphs = check_call(converted, model, *inputs, mode=mode)
+    assert check_call(converted, model, *inputs, mode=mode) == captured_graphs, (
+        "the second call's graphs"
+    )
     for x, b in zip(inputs, before, strict=True):
         assert torch.equal(x, b), "an input was written"
     for k, v in model.state_dict().items():
@@ -206,23 +214,13 @@ def _counting_compiled_call(monkeypatch, converted) -> list:
     return calls
 
 
-def _check_call(converted, model, *inputs):
-    """One converted call under no_grad, checked against the model and its fp64 copy."""
-    with torch.no_grad():
-        expected = model(*inputs)
-        ref64 = copy.deepcopy(model).double()(*(x.double() for x in inputs))
-        ran = converted._backend.graph_calls
-        assert_accurate(converted(*inputs), expected, ref64)
-    return converted._backend.graph_calls - ran
-
-
 def test_known_layouts_run_the_rewritten_graph_without_torch_compile(monkeypatch):
     model = make_block(PreNormBlock, "cpu")
     converted = mti.convert(model)
     calls = _counting_compiled_call(monkeypatch, converted)
     inputs = block_inputs("cpu")
     for _ in range(3):
-        assert _check_call(converted, model, *inputs) == 1  # the rewritten graph ran
+        assert check_call(converted, model, *inputs) == 1  # the rewritten graph ran
     assert len(calls) == 1  # only the first call captured
     assert "softmax_" in ops_of(converted)
 
@@ -246,12 +244,12 @@ def test_guard_failure_on_known_layouts_is_computed_right_and_recaptured(monkeyp
     converted = mti.convert(model)
     calls = _counting_compiled_call(monkeypatch, converted)
     inputs = block_inputs("cpu")
-    assert _check_call(converted, model, *inputs) == 1
+    assert check_call(converted, model, *inputs) == 1
     model.out_scale = 2.0
-    assert _check_call(converted, model, *inputs) == 0  # Dynamo ran the original code
+    assert check_call(converted, model, *inputs) == 0  # Dynamo ran the original code
     assert len(calls) == 1
     for _ in range(2):
-        assert _check_call(converted, model, *inputs) == 1
+        assert check_call(converted, model, *inputs) == 1
     assert len(calls) == 3
 
 
@@ -284,7 +282,7 @@ def test_two_converted_modules_of_one_class_take_turns():
     ran = [0, 0]
     for _ in range(3):
         for i in (0, 1):
-            ran[i] += _check_call(converted[i], models[i], *inputs)
+            ran[i] += check_call(converted[i], models[i], *inputs)
     assert all(ran), ran  # each module's own graphs ran for some of its calls
 
 
