@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   __shared__ State warp_totals[2][kMaxWarps];
   __shared__ ClusterExchange<State> exchange;
 
-  const bool cta_rows = tpr > kWarpSize;
+  const bool cta_rows = kClusters || tpr > kWarpSize;
   const int group = tpr;
   const int t = static_cast<int>(threadIdx.x) % group;
   const int rows_per_cta = static_cast<int>(blockDim.x) / group;
@@ -591,7 +591,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         to_floats(gf, gv[k]);
       }
     };
-    State mine = State::identity();
+    // Two partial sums, by vector parity: half as long a chain of dependent adds.
+    State part[2] = {State::identity(), State::identity()};
     for (Col s = 0; s < steps; ++s) {
       load_step(s);
 #pragma unroll
@@ -600,14 +601,16 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
         if (c0 < end) {
           float yf[VEC], gf[VEC];
           widen(yf, gf, k, c0);
-          op.add(mine, yf, gf, values(k, c0));
+          op.add(part[k % 2], yf, gf, values(k, c0));
         }
       }
     }
+    const State mine = State::combine(part[0], part[1]);
     // `mine` depends on every prefetched value, so they are all in registers: the slots can
     // take the next row.
     if constexpr (kPrefetch) stage_row(grp + group_stride, 0);
-    State total = warp_allreduce(mine, cta_rows ? kWarpSize : tpr);
+    // A whole warp's width as a constant: its steps then test and branch nothing.
+    State total = cta_rows ? warp_allreduce(mine, kWarpSize) : warp_allreduce(mine, tpr);
     if (cta_rows)
       total = cta_allreduce(total, warp_totals[rows_done % 2], sub_row * (group / kWarpSize),
                             group / kWarpSize);
