@@ -12,6 +12,20 @@
 namespace mti {
 namespace {
 
+// A sum as a reduction state (RMSNorm's sum of squares; MeanM2's chunk m2).
+struct SumSq {
+  float ss;
+
+  static __device__ __forceinline__ SumSq identity() { return {0.f}; }
+  static __device__ __forceinline__ SumSq combine(const SumSq& a, const SumSq& b) {
+    return {a.ss + b.ss};
+  }
+  template <class F>
+  __device__ __forceinline__ SumSq map(F f) const {
+    return {f(ss)};
+  }
+};
+
 // (count, mean, sum of squared deviations from the mean) of a set of values. Each thread's
 // chunk is reduced in two passes over its registers, chunks are merged with Chan et al.'s
 // pairwise update; both stay accurate when |mean| >> std, unlike sums of x and x^2.
@@ -42,6 +56,23 @@ struct MeanM2 {
   template <class F>
   __device__ __forceinline__ MeanM2 map(F f) const {
     return {f(n), f(mean), f(m2)};
+  }
+
+  // The threads' chunks (few values each) in two butterflies of sums instead of log2(width)
+  // of combine() (a division and two branches each): n and the sum, whence the mean; then
+  // m2 about that mean, each chunk adding its m2 and n * (its mean - the mean)^2. A chunk of
+  // equal values has exactly their value as mean (see LayerNormOp::local), and a warp's sums
+  // of n * mean stay exact for them (at most 2048 values of 16-bit precision: 22 bits), so
+  // a row of equal values keeps its exact mean and an m2 of 0, as combine() keeps them.
+  static __device__ __forceinline__ MeanM2 allreduce_chunks(const MeanM2& s, int width) {
+    const Sum2<float> t = warp_allreduce(Sum2<float>{s.n * s.mean, s.n}, width);
+    if (t.b == 0.f) return identity();
+    const float inv = __fdividef(1.f, t.b);
+    float mean = t.a * inv;
+    mean = fmaf(fmaf(-mean, t.b, t.a), inv, mean);
+    const float d = s.mean - mean;
+    const SumSq m2 = warp_allreduce(SumSq{fmaf(s.n * d, d, s.m2)}, width);
+    return {t.b, mean, m2.ss};
   }
 };
 
@@ -82,19 +113,6 @@ struct PivotSums {
   template <class F>
   __device__ __forceinline__ PivotSums map(F f) const {
     return {f(n), f(hi), f(lo), f(m2)};
-  }
-};
-
-struct SumSq {
-  float ss;
-
-  static __device__ __forceinline__ SumSq identity() { return {0.f}; }
-  static __device__ __forceinline__ SumSq combine(const SumSq& a, const SumSq& b) {
-    return {a.ss + b.ss};
-  }
-  template <class F>
-  __device__ __forceinline__ SumSq map(F f) const {
-    return {f(ss)};
   }
 };
 

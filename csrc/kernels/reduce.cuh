@@ -14,6 +14,9 @@
 
 #include <cooperative_groups.h>
 
+#include <type_traits>
+#include <utility>
+
 #include "kernels/common.cuh"
 #include "kernels/mbarrier.cuh"
 
@@ -40,6 +43,41 @@ __device__ __forceinline__ S warp_allreduce(S s, int width) {
     }
   }
   return s;
+}
+
+// Two sums as a reduction state: _rn adds are commutative bitwise.
+template <typename A>
+struct Sum2 {
+  A a, b;
+  static __device__ __forceinline__ Sum2 identity() { return {A(0), A(0)}; }
+  static __device__ __forceinline__ Sum2 combine(const Sum2& x, const Sum2& y) {
+    if constexpr (std::is_same_v<A, double>)
+      return {__dadd_rn(x.a, y.a), __dadd_rn(x.b, y.b)};
+    else
+      return {__fadd_rn(x.a, y.a), __fadd_rn(x.b, y.b)};
+  }
+  template <class F>
+  __device__ __forceinline__ Sum2 map(F f) const {
+    return {f(a), f(b)};
+  }
+};
+
+template <class S, class = void>
+struct HasChunkAllreduce : std::false_type {};
+template <class S>
+struct HasChunkAllreduce<
+    S, std::void_t<decltype(S::allreduce_chunks(std::declval<const S&>(), 0))>>
+    : std::true_type {};
+
+// warp_allreduce of the states of the threads' own chunks of a row, where a state may bring
+// an all-reduction of its own for that first level (S::allreduce_chunks(s, width), with
+// warp_allreduce's contract): one that need not be exact, say, for merges of many values.
+template <class S>
+__device__ __forceinline__ S warp_allreduce_chunks(const S& s, int width) {
+  if constexpr (HasChunkAllreduce<S>::value)
+    return S::allreduce_chunks(s, width);
+  else
+    return warp_allreduce(s, width);
 }
 
 // Whether `p` holds in every lane of the warp, to pick one of several paths that are all

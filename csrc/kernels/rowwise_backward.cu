@@ -102,23 +102,6 @@ constexpr int64_t kScratchFloor = int64_t{4} << 20;  // bytes of scratch always 
 template <typename T>
 using AccOf = std::conditional_t<std::is_same_v<T, float>, double, float>;
 
-// Two row sums as a reduction state (kernels/reduce.cuh): _rn adds are commutative bitwise.
-template <typename A>
-struct Sum2 {
-  A a, b;
-  static __device__ __forceinline__ Sum2 identity() { return {A(0), A(0)}; }
-  static __device__ __forceinline__ Sum2 combine(const Sum2& x, const Sum2& y) {
-    if constexpr (std::is_same_v<A, double>)
-      return {__dadd_rn(x.a, y.a), __dadd_rn(x.b, y.b)};
-    else
-      return {__fadd_rn(x.a, y.a), __fadd_rn(x.b, y.b)};
-  }
-  template <class F>
-  __device__ __forceinline__ Sum2 map(F f) const {
-    return {f(a), f(b)};
-  }
-};
-
 // v as a float and the rounding error of that, so that x - v is computed as (x - hi) - lo,
 // nearly as accurately as in v's precision. kLo: whether lo can be nonzero (not for a float
 // v, whose users then skip it).
