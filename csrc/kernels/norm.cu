@@ -12,20 +12,6 @@
 namespace mti {
 namespace {
 
-// A sum as a reduction state (RMSNorm's sum of squares; MeanM2's chunk m2).
-struct SumSq {
-  float ss;
-
-  static __device__ __forceinline__ SumSq identity() { return {0.f}; }
-  static __device__ __forceinline__ SumSq combine(const SumSq& a, const SumSq& b) {
-    return {a.ss + b.ss};
-  }
-  template <class F>
-  __device__ __forceinline__ SumSq map(F f) const {
-    return {f(ss)};
-  }
-};
-
 // (count, mean, sum of squared deviations from the mean) of a set of values. Each thread's
 // chunk is reduced in two passes over its registers, chunks are merged with Chan et al.'s
 // pairwise update; both stay accurate when |mean| >> std, unlike sums of x and x^2.
@@ -71,8 +57,8 @@ struct MeanM2 {
     float mean = t.a * inv;
     mean = fmaf(fmaf(-mean, t.b, t.a), inv, mean);
     const float d = s.mean - mean;
-    const SumSq m2 = warp_allreduce(SumSq{fmaf(s.n * d, d, s.m2)}, width);
-    return {t.b, mean, m2.ss};
+    const Sum m2 = warp_allreduce(Sum{fmaf(s.n * d, d, s.m2)}, width);
+    return {t.b, mean, m2.v};
   }
 };
 
@@ -274,7 +260,7 @@ struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
 };
 
 template <typename T>
-struct RmsNormOp : NormOpBase<T, SumSq, 1> {
+struct RmsNormOp : NormOpBase<T, Sum, 1> {  // the sum of squares
   struct Row {
     int64_t load_end;
   };
@@ -285,7 +271,7 @@ struct RmsNormOp : NormOpBase<T, SumSq, 1> {
 
   // Unread columns are 0 and add nothing, so `valid` is not needed.
   template <int NV, int VEC, class Valid>
-  __device__ __forceinline__ SumSq local(float (&z)[NV][VEC], const Row&, Valid) const {
+  __device__ __forceinline__ Sum local(float (&z)[NV][VEC], const Row&, Valid) const {
     return {fold<NV * VEC>(
         [&](int i) { return z[i / VEC][i % VEC] * z[i / VEC][i % VEC]; }, Add{})};
   }
@@ -295,8 +281,8 @@ struct RmsNormOp : NormOpBase<T, SumSq, 1> {
   };
   using Out = Fin;
 
-  __device__ __forceinline__ Fin finish(const SumSq& t, const Row&) const {
-    return {__frsqrt_rn(t.ss / static_cast<float>(this->n) + this->eps)};  // as LayerNorm's
+  __device__ __forceinline__ Fin finish(const Sum& t, const Row&) const {
+    return {__frsqrt_rn(t.v / static_cast<float>(this->n) + this->eps)};  // as LayerNorm's
   }
 
   template <int VEC>

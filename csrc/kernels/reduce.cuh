@@ -45,7 +45,19 @@ __device__ __forceinline__ S warp_allreduce(S s, int width) {
   return s;
 }
 
-// Two sums as a reduction state: _rn adds are commutative bitwise.
+// A sum, two sums and a max as reduction states: _rn adds and fmaxf are commutative bitwise.
+struct Sum {
+  float v;
+  static __device__ __forceinline__ Sum identity() { return {0.f}; }
+  static __device__ __forceinline__ Sum combine(const Sum& x, const Sum& y) {
+    return {__fadd_rn(x.v, y.v)};
+  }
+  template <class F>
+  __device__ __forceinline__ Sum map(F f) const {
+    return {f(v)};
+  }
+};
+
 template <typename A>
 struct Sum2 {
   A a, b;
@@ -59,6 +71,18 @@ struct Sum2 {
   template <class F>
   __device__ __forceinline__ Sum2 map(F f) const {
     return {f(a), f(b)};
+  }
+};
+
+struct MaxState {
+  float v;
+  static __device__ __forceinline__ MaxState identity() { return {-INFINITY}; }
+  static __device__ __forceinline__ MaxState combine(const MaxState& x, const MaxState& y) {
+    return {fmaxf(x.v, y.v)};
+  }
+  template <class F>
+  __device__ __forceinline__ MaxState map(F f) const {
+    return {f(v)};
   }
 };
 

@@ -43,6 +43,15 @@ struct MaxSum {
   __device__ __forceinline__ MaxSum map(F f) const {
     return {f(m), f(s)};
   }
+
+  // The threads' chunks in two butterflies, the max and then the sums rescaled to it (an exp
+  // per thread), instead of log2(width) merges of an exp each. As in combine(), the chunk
+  // that holds the max adds its sum as it is.
+  static __device__ __forceinline__ MaxSum allreduce_chunks(const MaxSum& c, int width) {
+    const float m = warp_allreduce(MaxState{c.m}, width).v;
+    const float factor = c.m == m ? 1.f : expf(c.m - shift(m));
+    return {m, warp_allreduce(Sum{__fmul_rn(c.s, factor)}, width).v};
+  }
 };
 
 template <typename T, MaskKind kMask>
