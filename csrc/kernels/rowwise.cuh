@@ -580,9 +580,15 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPat
       }
     }
 
-    // A whole warp's width as a constant: its steps then test and branch nothing.
-    State total = cta_rows ? warp_allreduce_chunks(mine, kWarpSize)
-                           : warp_allreduce_chunks(mine, tpr);
+    // A whole warp's width as a constant: its steps then test and branch nothing. Resident
+    // chunks (at most a thread's registers' worth of values) may take the state's own first
+    // level; a streamed row's chunks are as long as the row makes them.
+    State total;
+    if constexpr (kStream)
+      total = cta_rows ? warp_allreduce(mine, kWarpSize) : warp_allreduce(mine, tpr);
+    else
+      total = cta_rows ? warp_allreduce_chunks(mine, kWarpSize)
+                       : warp_allreduce_chunks(mine, tpr);
     if (cta_rows) total = cta_allreduce(total, warp_totals[rows_done % 2]);
     if (cluster > 1) total = cluster_allreduce(total, exchange, rows_done, rank, cluster);
     ++rows_done;
