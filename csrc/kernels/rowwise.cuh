@@ -580,11 +580,13 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPat
       }
     }
 
-    // A whole warp's width as a constant: its steps then test and branch nothing. Resident
-    // chunks (at most a thread's registers' worth of values) may take the state's own first
-    // level; a streamed row's chunks are as long as the row makes them.
+    // A whole warp's width as a constant: its steps then test and branch nothing. Chunks held
+    // in registers (at most a thread's registers' worth of values) may take the state's own
+    // first level; a streamed row's chunks are as long as the row makes them, and the
+    // stashed kernels have no register to spare (bf16 softmax's then spilled 4 bytes on
+    // sm_80).
     State total;
-    if constexpr (kStream)
+    if constexpr (kStream || kPath == RowPath::kStashed)
       total = cta_rows ? warp_allreduce(mine, kWarpSize) : warp_allreduce(mine, tpr);
     else
       total = cta_rows ? warp_allreduce_chunks(mine, kWarpSize)
