@@ -48,8 +48,8 @@ struct MeanM2 {
   // of combine() (a division and two branches each): n and the sum, whence the mean; then
   // m2 about that mean, each chunk adding its m2 and n * (its mean - the mean)^2. A chunk of
   // equal values has exactly their value as mean (see LayerNormOp::local), and a warp's sums
-  // of n * mean stay exact for them (resident rows: at most 2048 values of 16-bit precision
-  // per warp, 22 bits), so a row of equal values keeps its exact mean and an m2 of 0, as
+  // of n * mean stay exact for them (chunks in registers: at most 2048 values of 16-bit
+  // precision per warp, 22 bits), so a row of equal values keeps its exact mean and an m2 of 0, as
   // combine() keeps them.
   static __device__ __forceinline__ MeanM2 allreduce_chunks(const MeanM2& s, int width) {
     const Sum2<float> t = warp_allreduce(Sum2<float>{s.n * s.mean, s.n}, width);

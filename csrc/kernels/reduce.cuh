@@ -96,7 +96,7 @@ struct HasChunkAllreduce<
 // warp_allreduce of the states of the threads' own chunks of a row, where a state may bring
 // an all-reduction of its own for that first level (S::allreduce_chunks(s, width), with
 // warp_allreduce's contract), one that may rely on each chunk holding few values: the
-// forward kernels call it for resident rows only (kernels/rowwise.cuh).
+// forward kernels call it for chunks held in registers only (kernels/rowwise.cuh).
 template <class S>
 __device__ __forceinline__ S warp_allreduce_chunks(const S& s, int width) {
   if constexpr (HasChunkAllreduce<S>::value)
