@@ -173,7 +173,8 @@ class ConvertedModule(nn.Module):
         return self._backend.sites
 
     def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled():  # under no_grad / inference_mode, skip the call
+        grad = torch.is_grad_enabled()
+        if grad:  # under no_grad / inference_mode, skip the call
             _check_no_autograd(self.module, args, kwargs)
         # Dynamo reads _capture_config only when it captures, which with static shapes is
         # when the inputs' layouts change. Patching the config costs tens of microseconds, so
@@ -181,7 +182,7 @@ class ConvertedModule(nn.Module):
         # something else failed: a module attribute) runs with Dynamo's defaults, which is
         # still safe: the backend handles symbolic shapes, and past the default recompile
         # limit Dynamo runs the original forward.
-        signature = _input_signature(args, kwargs)
+        signature = _input_signature(grad, args, kwargs)
         graphs = self._captured.get(signature)
         if graphs is None:
             ran = self._backend.graph_calls
@@ -361,15 +362,16 @@ class _Backend:
         return run
 
 
-def _input_signature(args, kwargs) -> tuple:
+def _input_signature(grad_enabled: bool, args, kwargs) -> tuple:
     """What a static-shape capture of a call depends on in its inputs, and what Dynamo's
     guards on them check that commonly changes between calls: tensors' layouts, whether they
-    require grad or are inference tensors, Python scalars' values, and grad mode. It runs on
+    require grad or are inference tensors, Python scalars' values, and grad mode (the
+    caller's torch.is_grad_enabled(), which it has read already). It runs on
     every call, where a small model's forward is bound by host time: list comprehensions over
     a module-level function cost a third less there than map() over a closure made at each
     call."""
     return (
-        torch.is_grad_enabled(),
+        grad_enabled,
         tuple([_arg_signature(a) for a in args]),
         tuple([(k, _arg_signature(v)) for k, v in kwargs.items()]),
     )

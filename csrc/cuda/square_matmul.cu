@@ -3,11 +3,12 @@
 // Default: on sm_90 (sm_90a builds), for fp16/bf16 with rows enough to fill half of the GPU,
 // the handshake kernel of kernels/square_matmul.cu, whose workspace is one zeroed int per 128
 // rows (H100, fp16/bf16, M >= 4096: 0.74-1.07x torch.matmul's speed at 269e76b, where cuBLAS
-// plus the copy back below ran at 0.65-0.94x). Elsewhere cuBLAS through ATen, a chunk of rows at a time into a
-// workspace of at most workspace_bytes (less the CUDA allocator's rounding), each chunk
-// copied back over its rows on a side stream while the GEMM of the next chunk runs. With no
-// room for one row, room for chunks of too few rows (chunks_lose_accuracy) or no workspace to
-// be had, the zero-workspace kernel of kernels/square_matmul.cu.
+// plus the copy back below ran at 0.65-0.94x). Elsewhere cuBLAS through ATen, a chunk of
+// rows at a time into a workspace of at most workspace_bytes (less the CUDA allocator's
+// rounding), each chunk copied back over its rows on a side stream while the GEMM of the next
+// chunk runs. With no room for one row, room for chunks of too few rows
+// (chunks_lose_accuracy) or no workspace to be had, the zero-workspace kernel of
+// kernels/square_matmul.cu.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAEvent.h>
