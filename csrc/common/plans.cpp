@@ -83,54 +83,38 @@ void check_no_internal_overlap(const char* op, const at::Tensor& x, const char* 
   }
 }
 
-// Fills indexes[i] with the leading dims [0, lead) of tensors[i] (tensors of one shape),
-// merging neighbours wherever every tensor allows it and dropping size-1 dims. Returns false,
-// having filled nothing, when more than kMaxLeadDims groups remain.
-bool try_row_index(int64_t lead, const std::vector<const at::Tensor*>& tensors,
-                   const std::vector<RowIndexer*>& indexes) {
-  struct Dim {
-    int64_t size;
-    std::vector<int64_t> strides;  // one per tensor
-  };
-  std::vector<Dim> merged;  // innermost first while building
-  const at::Tensor& first = *tensors[0];
+// Fills `index` with the leading dims [0, lead) of t, merging neighbours wherever the strides
+// allow it and dropping size-1 dims. Returns false, having filled nothing, when more than
+// kMaxLeadDims groups remain. Each tensor an op touches is indexed on its own: a tensor
+// whose dims merge into one needs no division per row, whatever the others' layouts.
+bool try_row_index(int64_t lead, const at::Tensor& t, RowIndexer& index) {
+  std::vector<int64_t> sizes, strides;  // innermost first while building
   for (int64_t d = lead - 1; d >= 0; --d) {
-    const int64_t size = first.size(d);
+    const int64_t size = t.size(d), stride = t.stride(d);
     if (size == 1) continue;
-    std::vector<int64_t> strides;
-    for (const at::Tensor* t : tensors) strides.push_back(t->stride(d));
-    if (!merged.empty()) {
-      Dim& in = merged.back();
-      bool mergeable = true;
-      for (size_t i = 0; i < tensors.size(); ++i)
-        mergeable = mergeable && strides[i] == in.strides[i] * in.size;
-      if (mergeable) {
-        in.size *= size;
-        continue;
-      }
+    if (!sizes.empty() && stride == strides.back() * sizes.back()) {
+      sizes.back() *= size;
+      continue;
     }
-    merged.push_back({size, std::move(strides)});
+    sizes.push_back(size);
+    strides.push_back(stride);
   }
-  if (static_cast<int>(merged.size()) > kMaxLeadDims) return false;
-  std::reverse(merged.begin(), merged.end());
-  for (size_t i = 0; i < indexes.size(); ++i) {
-    RowIndexer& index = *indexes[i];
-    index.ndim = static_cast<int>(merged.size());
-    for (size_t g = 0; g < merged.size(); ++g) {
-      index.sizes[g] = merged[g].size;
-      index.strides[g] = merged[g].strides[i];
-    }
-  }
+  if (static_cast<int>(sizes.size()) > kMaxLeadDims) return false;
+  std::reverse(sizes.begin(), sizes.end());
+  std::reverse(strides.begin(), strides.end());
+  index.ndim = static_cast<int>(sizes.size());
+  std::copy(sizes.begin(), sizes.end(), index.sizes);
+  std::copy(strides.begin(), strides.end(), index.strides);
   return true;
 }
 
-// try_row_index for the tensors an op writes (and reads along with them), refusing layouts
-// that do not merge.
-void build_row_index(const char* op, int64_t lead, const std::vector<const at::Tensor*>& tensors,
-                     const std::vector<RowIndexer*>& indexes) {
-  TORCH_CHECK_VALUE(try_row_index(lead, tensors, indexes), op,
-                    ": x's leading dims merge into more than ", text(kMaxLeadDims),
-                    " strided groups; pass x.contiguous()");
+// try_row_index for a tensor an op writes (or reads along with one), refusing layouts that do
+// not merge.
+void build_row_index(const char* op, const char* name, int64_t lead, const at::Tensor& t,
+                     RowIndexer& index) {
+  TORCH_CHECK_VALUE(try_row_index(lead, t, index), op, ": ", name,
+                    "'s leading dims merge into more than ", text(kMaxLeadDims),
+                    " strided groups; pass ", name, ".contiguous()");
 }
 
 }  // namespace
@@ -166,7 +150,7 @@ MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
   plan.x.n = k;
   plan.x.rows = k == 0 ? 0 : x.numel() / k;
   plan.x.col_stride = 1;
-  build_row_index(op, x.dim() - 1, {&x}, {&plan.x.row});
+  build_row_index(op, "x", x.dim() - 1, x, plan.x.row);
   // A column-major weight (e.g. W.T of a contiguous W) is the transpose of a contiguous one:
   // flip the flag rather than copy K x K elements.
   plan.transpose = transpose;
@@ -265,31 +249,19 @@ void check_backward_tensors(const char* op, const at::Tensor& y, const at::Tenso
 }
 
 // The leading-dim indexes of a backward pass's tensors (rows views: leading dims, then the
-// row), merged jointly. Where y's and grad's layouts together with grad_x's (and the mask's)
-// do not merge into kMaxLeadDims groups, y and grad are read from contiguous copies instead
-// (the plan keeps them alive); `copy` makes those copies of the rows views.
+// row), each on its own. y or grad whose leading dims do not merge into kMaxLeadDims groups is
+// read from a contiguous copy instead (the plan keeps it alive); grad_x, which is written, and
+// the mask must merge as they are.
 void build_backward_index(const char* op, int64_t lead, at::Tensor& yv, at::Tensor& gv,
                           const at::Tensor* dxv, const at::Tensor* mv, BackwardRows& rows,
                           RowIndexer* mask_row) {
-  auto attempt = [&] {
-    std::vector<const at::Tensor*> ts{&yv, &gv};
-    std::vector<RowIndexer*> idx{&rows.y.row, &rows.grad.row};
-    if (dxv) {
-      ts.push_back(dxv);
-      idx.push_back(&rows.grad_x.row);
-    }
-    if (mv) {
-      ts.push_back(mv);
-      idx.push_back(mask_row);
-    }
-    return try_row_index(lead, ts, idx);
-  };
-  if (attempt()) return;
-  yv = yv.contiguous();
-  gv = gv.contiguous();
-  TORCH_CHECK_VALUE(attempt(), op, ": the leading dims of grad_x",
-                    mv ? " and the mask" : "", " merge into more than ", text(kMaxLeadDims),
-                    " strided groups; pass a contiguous grad_x");
+  for (auto [t, index] : {std::pair{&yv, &rows.y.row}, std::pair{&gv, &rows.grad.row}}) {
+    if (try_row_index(lead, *t, *index)) continue;
+    *t = t->contiguous();
+    build_row_index(op, t == &yv ? "y" : "grad", lead, *t, *index);
+  }
+  if (dxv) build_row_index(op, "grad_x", lead, *dxv, rows.grad_x.row);
+  if (mv) build_row_index(op, "mask", lead, *mv, *mask_row);
 }
 
 void set_rows(RowLayout& layout, int64_t rows, int64_t n, int64_t col_stride) {
@@ -312,10 +284,8 @@ SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, doubl
   plan.x.n = xv.size(-1);
   plan.x.rows = plan.x.n == 0 ? 0 : xv.numel() / plan.x.n;
   plan.x.col_stride = xv.stride(-1);
-  if (mask)
-    build_row_index(op, xv.dim() - 1, {&xv, &mv}, {&plan.x.row, &plan.mask.row});
-  else
-    build_row_index(op, xv.dim() - 1, {&xv}, {&plan.x.row});
+  build_row_index(op, "x", xv.dim() - 1, xv, plan.x.row);
+  if (mask) build_row_index(op, "mask", xv.dim() - 1, mv, plan.mask.row);
   return plan;
 }
 
@@ -363,7 +333,7 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
                     "tensor), got strides ", text(x.strides()), "; pass x.contiguous()");
   plan.x.n = c10::multiply_integers(normalized_shape);
   plan.x.rows = plan.x.n == 0 ? 0 : x.numel() / plan.x.n;
-  build_row_index(op, x.dim() - k, {&x}, {&plan.x.row});
+  build_row_index(op, "x", x.dim() - k, x, plan.x.row);
   if (weight) plan.weight = weight->contiguous();
   if (bias) plan.bias = bias->contiguous();
   if (rstd.numel() > 0) {

@@ -132,15 +132,14 @@ struct ParamValues<0, VEC> {};
 // The vector of VEC elements from column c0 of a row. VEC > 1 only where col_stride is 1, row
 // starts are 16-byte aligned and n is a multiple of VEC, so a vector that starts in the row
 // lies in it whole. Col is int on the resident paths (rows shorter than 2^31), int64_t else.
-template <int VEC, typename T, typename Col>
+// kKeepInL2: see load_keep_in_l2.
+template <int VEC, bool kKeepInL2 = false, typename T, typename Col>
 __device__ __forceinline__ Packed<T, VEC> load_vec(const T* row, Col c0, int64_t col_stride) {
-  if constexpr (VEC == 1) {
-    Packed<T, 1> p;
-    p.v[0] = row[c0 * col_stride];
-    return p;
-  } else {
-    return *reinterpret_cast<const Packed<T, VEC>*>(row + c0);
-  }
+  const auto* at = reinterpret_cast<const Packed<T, VEC>*>(row + c0 * (VEC == 1 ? col_stride : 1));
+  if constexpr (kKeepInL2)
+    return load_keep_in_l2(at);
+  else
+    return *at;
 }
 
 // A vector as fp32. A bfloat16 is the top half of a float: the two elements of a 32-bit word

@@ -180,7 +180,8 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
                                        const ParamValues<0, VEC>&, int64_t c0, const Row& rc,
                                        const Fin& f) const {
     Packed<MaskT, VEC> m;
-    if constexpr (kMask != MaskKind::kNone) m = load_vec<VEC>(rc.mask, c0, mask_col_stride);
+    if constexpr (kMask != MaskKind::kNone)  // a bool one kept in L2, as in the forward
+      m = load_vec<VEC, kMask == MaskKind::kBool>(rc.mask, c0, mask_col_stride);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       bool active = c0 + j < rc.limit;

@@ -92,14 +92,17 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   template <int VEC>
   __device__ __forceinline__ void load_aux(Aux<VEC>& a, const Row& rc, int64_t c0,
                                            int cnt) const {
+    // A bool mask is usually broadcast over the batch (and heads): kept in L2 for the rows
+    // that share it. (Not the additive one: its vectors are as wide as x's, and the largest
+    // kernels then spilled, 4-12 bytes on sm_80 and sm_90a.)
     if constexpr (kMask == MaskKind::kAdditive) {
       a = cnt > 0 ? load_vec<VEC>(rc.mask, c0, mask_col_stride) : Aux<VEC>{};
     } else if constexpr (kMask == MaskKind::kBool) {
       static_assert(sizeof(Aux<VEC>) == VEC, "one mask byte per element");
       if constexpr (VEC == 1)
-        a = cnt > 0 ? rc.mask[c0 * mask_col_stride] : 0;
+        a = cnt > 0 ? load_keep_in_l2(rc.mask + c0 * mask_col_stride) : 0;
       else
-        a = cnt > 0 ? *reinterpret_cast<const Aux<VEC>*>(rc.mask + c0) : 0;
+        a = cnt > 0 ? load_keep_in_l2(reinterpret_cast<const Aux<VEC>*>(rc.mask + c0)) : 0;
     }
   }
 
