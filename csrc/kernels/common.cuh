@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstring>
 
 namespace mti {
 
@@ -86,47 +85,17 @@ __device__ __forceinline__ void copy16(void* dst, const void* src, bool in) {
 #endif
 }
 
-// *p, its cache line kept in L2 ahead of the streamed rows (an evict_last policy, sm_80+): for
-// data that many rows read again, such as a mask broadcast over the batch, which a batch's own
-// rows (read and written once) would otherwise flush from L2 before the next batch reads it.
-// V: 1, 2, 4, 8 or 16 bytes.
+// *p, its cache line kept in L2 ahead of the streamed rows (marked evict-last by a prefetch of
+// the same address just before, sm_80+): for data that many rows read again, such as a mask broadcast
+// over the batch, which a batch's own rows (read and written once) would otherwise flush from
+// L2 before the next batch reads it. (A load with an evict-last cache policy instead holds the
+// policy in two registers, which spilled the largest masked kernels on sm_80 and sm_90a.)
 template <typename V>
 __device__ __forceinline__ V load_keep_in_l2(const V* p) {
 #if __CUDA_ARCH__ >= 800
-  static_assert(sizeof(V) == 1 || sizeof(V) == 2 || sizeof(V) == 4 || sizeof(V) == 8 ||
-                    sizeof(V) == 16,
-                "a 1-16 byte load");
-  // volatile: created at each load, not hoisted out of the row loops, where the policy would
-  // hold two registers for the whole kernel (and spill the largest kernels).
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  V v;
-  if constexpr (sizeof(V) == 16) {
-    uint4 u;
-    asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
-        : "l"(p), "l"(policy));
-    memcpy(&v, &u, 16);
-  } else if constexpr (sizeof(V) == 8) {
-    uint64_t u;
-    asm("ld.global.nc.L2::cache_hint.u64 %0, [%1], %2;" : "=l"(u) : "l"(p), "l"(policy));
-    memcpy(&v, &u, 8);
-  } else if constexpr (sizeof(V) == 4) {
-    uint32_t u;
-    asm("ld.global.nc.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(u) : "l"(p), "l"(policy));
-    memcpy(&v, &u, 4);
-  } else {
-    unsigned short u;
-    if constexpr (sizeof(V) == 2)
-      asm("ld.global.nc.L2::cache_hint.u16 %0, [%1], %2;" : "=h"(u) : "l"(p), "l"(policy));
-    else
-      asm("ld.global.nc.L2::cache_hint.u8 %0, [%1], %2;" : "=h"(u) : "l"(p), "l"(policy));
-    memcpy(&v, &u, sizeof(V));
-  }
-  return v;
-#else
-  return *p;
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
 #endif
+  return *p;
 }
 
 __device__ __forceinline__ void cp_async_commit() {
