@@ -142,6 +142,27 @@ def test_default_handshake_shapes(dtype, m, k, layout):
                          with_bias=with_bias, layout=layout)
 
 
+# The handshake kernel zeroes its counters (an int per 128 rows, from the caching allocator)
+# itself. Here the allocator's free blocks of their size hold 2^30, at least any count the
+# kernel waits for: counters left so would let CTAs write their tiles over rows that others
+# still read (elsewhere these shapes run cuBLAS's path, and the garbage is never read).
+@requires_cuda
+@pytest.mark.parametrize("m,k", [(8209, 1032), (4100, 2568)], ids=str)
+def test_default_handshake_counters_start_from_garbage(m, k):
+    def op(x, weight, bias, *, transpose):
+        counters = -(-m // 128)
+        junk = [torch.full((counters,), 1 << 30, dtype=torch.int32, device="cuda")
+                for _ in range(16)]
+        del junk
+        return mti.square_matmul_(x, weight, bias, transpose=transpose)
+
+    for transpose in (False, True):
+        x = randn((m, k), torch.bfloat16, "cuda", seed=m)
+        weight = randn((k, k), torch.bfloat16, "cuda", seed=m + 1, scale=k**-0.5)
+        bias = randn((k,), torch.bfloat16, "cuda", seed=m + 2)
+        check_op(op, ref_square_matmul, x, weight, bias, transpose=transpose)
+
+
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_bias", [False, True])

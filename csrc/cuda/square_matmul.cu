@@ -1,7 +1,7 @@
 // CUDA host side of square_matmul_: x[..., K] <- x @ W (or x @ W^T) + bias, over x.
 //
 // Default: on sm_90 (sm_90a builds), for fp16/bf16 with rows enough to fill half of the GPU,
-// the handshake kernel of kernels/square_matmul.cu, whose workspace is one zeroed int per 128
+// the handshake kernel of kernels/square_matmul.cu, whose workspace is one int per 128
 // rows (H100, fp16/bf16, M >= 4096: 0.74-1.07x torch.matmul's speed at 269e76b, where cuBLAS
 // plus the copy back below ran at 0.65-0.94x). Elsewhere cuBLAS through ATen, a chunk of
 // rows at a time into a workspace of at most workspace_bytes (less the CUDA allocator's
@@ -159,9 +159,9 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
     // The counters come from the caching allocator like any workspace, so they count
     // against the limit (and a workspace of 0 keeps the zero-workspace kernel).
     if (counters > 0 && counters * static_cast<int64_t>(sizeof(int)) <= budget) {
-      at::Tensor zeroed;
+      at::Tensor counter_ints;  // the kernel zeroes them
       try {
-        zeroed = at::zeros({counters}, x.options().dtype(at::kInt));
+        counter_ints = at::empty({counters}, x.options().dtype(at::kInt));
       } catch (const c10::OutOfMemoryError&) {
         run_zero_workspace<scalar_t>(x, plan, stream, "the workspace could not be allocated");
         return;
@@ -169,7 +169,7 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
       const cudaError_t err = square_matmul_handshake<T>(
           device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
           plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose,
-          zeroed.data_ptr<int>(), stream);
+          counter_ints.data_ptr<int>(), stream);
       // Its grid must be resident at once; where fewer SMs are ours than the device has
       // (MPS, green contexts), the launch is refused, nothing has run, and cuBLAS takes over.
       if (err != cudaErrorCooperativeLaunchTooLarge) {

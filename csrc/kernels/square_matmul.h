@@ -1,6 +1,6 @@
 // Torch-free launchers of square_matmul_'s own kernels: x <- x @ W (+ bias) written over x.
 // The zero-workspace kernel uses no device memory beyond x, W and bias; the handshake kernel
-// (sm_90a, the default path's where it applies, declared below) a zeroed int per 128 rows.
+// (sm_90a, the default path's where it applies, declared below) an int per 128 rows.
 //
 // Each thread block (on sm_90, for fp16/bf16, each cluster of blocks) owns whole rows of x and
 // keeps on chip either the rows' inputs or its share of their outputs until every input
@@ -42,7 +42,8 @@ int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, co
                                          bool transpose);
 
 // x <- x @ W (or x @ W^T) + bias by that kernel, arguments as square_matmul_zero_ws's;
-// counters: square_matmul_handshake_counters's number of ints, zero on `stream`.
+// counters: square_matmul_handshake_counters's number of ints, of any contents (the kernel
+// zeroes them itself).
 template <typename T>
 cudaError_t square_matmul_handshake(T* x, const RowLayout& layout, const T* w, const T* bias,
                                    bool transpose, int* counters, cudaStream_t stream);
