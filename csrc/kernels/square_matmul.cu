@@ -953,9 +953,9 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
 // the CTA adds one to the row block's counter (release, GPU scope). It then rounds the
 // accumulators (plus bias) into a staging tile in shared memory, and waits until the counter
 // reaches T (acquire): no CTA reads the row block's x any more, so TMA stores write the tile
-// over x, asynchronously, while the MMAs of the next tile run (the staging tile holds half
-// an output tile, so the second half waits for the first half's stores to have read it; see
-// HandshakeTile). (Written from the registers
+// over x, asynchronously, while the MMAs of the next tile run (where the staging tile holds
+// half an output tile, the second half waits for the first half's stores to have read it;
+// see HandshakeTile). (Written from the registers
 // instead, every CTA's stores came at once, at the end of each round, and the MMAs waited for
 // them: H100, bf16, 0.58-0.65x torch.matmul at K = 1024.)
 template <typename T, bool TRANS, class Tile>
@@ -1721,35 +1721,56 @@ Args<T> make_args(T* x, const RowLayout& layout, const T* w, const T* bias, bool
   return a;
 }
 
-// The handshake kernel's tile: the warpgroup kernel's with four stages and beside them a
-// staging tile of half an output tile (two boxes of BK columns), which stages the output in
-// two parts. (With three stages and the whole output tile staged at once, H100, bf16, one
-// build, two sweeps: K = 1024, M = 16384: 63.4-64.0 us against 59.0-59.2 with four; K = 8192,
-// M = 4096: 949-966 against 843-853; every cell of K = 1024-8192, M = 4096-65536 faster on
-// the two sweeps' mean, by 1.5-11%, in spite of the second part's wait for the first part's
-// stores.)
-struct HandshakeTile : WgmmaTile<4> {
-  static constexpr int kOutBoxes = 2;
-  static constexpr int kOutParts = BN / BK / kOutBoxes;
-  static_assert(kOutParts * kOutBoxes * BK == BN, "whole parts");
+// The handshake kernel's tiles: the warpgroup kernel's with STAGES stages and beside them a
+// staging tile of OUT_BOXES boxes of BK output columns, which stages an output tile in
+// kOutParts parts.
+template <int STAGES, int OUT_BOXES>
+struct HandshakeTile : WgmmaTile<STAGES> {
+  using Base = WgmmaTile<STAGES>;
+  static constexpr int kOutBoxes = OUT_BOXES;
+  static constexpr int kOutParts = Base::BN / Base::BK / OUT_BOXES;
+  static_assert(kOutParts * OUT_BOXES * Base::BK == Base::BN, "whole parts");
   static constexpr size_t kSmem =
-      kSmemSlack + (kStages * STAGE + BM * BK * kOutBoxes) * 2 + BN * sizeof(float);
+      Base::kSmemSlack + (Base::kStages * Base::STAGE + Base::BM * Base::BK * OUT_BOXES) * 2 +
+      Base::BN * sizeof(float);
 };
-static_assert(HandshakeTile::kSmem <= 227 * 1024, "fits an H100's shared memory per block");
+// K <= 4096: four stages, half an output tile staged at a time. K > 4096: three stages, the
+// whole output tile staged at once. H100, bf16, one build, two sweeps of K = 1024-8192,
+// M = 4096-65536: four stages ran every cell faster on the mean, by 1.5-11% (K = 1024,
+// M = 16384: 63.4-64.0 -> 59.0-59.2 us), in spite of the second half's wait for the first
+// half's stores. But at K = 8192, M = 65536 a call of the four-stage kernel took 12-13 ms
+// (three stages: 13-14.5) or, in runs of calls, 17-25 ms, bimodal where three stages were
+// steady (per-call CUDA events, same clocks and power in both). Why was not found; one
+// difference that may matter: with the whole output tile staged, one consumer warpgroup
+// goes on into the next tile while the leader's waits for the row block's last CTA, where
+// with half a tile both wait before the second half.
+using HandshakeTileDeep = HandshakeTile<4, 2>;
+using HandshakeTileWide = HandshakeTile<3, 4>;
+static_assert(HandshakeTileDeep::kSmem <= 227 * 1024, "fits an H100's shared memory per block");
+constexpr int kHandshakeDeepMaxK = 4096;
 
-template <typename T, bool TRANS>
-auto handshake_kernel_of() {
-  return &handshake_kernel<T, TRANS, HandshakeTile>;
+// Calls f with the tile for K (a value of its type).
+template <class F>
+auto with_handshake_tile(int k, F&& f) {
+  return k <= kHandshakeDeepMaxK ? f(HandshakeTileDeep{}) : f(HandshakeTileWide{});
 }
 
-// A row block's output tiles (T in the kernel's comment).
-inline int handshake_col_tiles(int k) { return ceil_div(k, HandshakeTile::BN); }
+template <typename T, bool TRANS, class Tile>
+auto handshake_kernel_of() {
+  return &handshake_kernel<T, TRANS, Tile>;
+}
+
+// A row block's output tiles (T in the kernel's comment); BN and BM are the same in both tiles.
+inline int handshake_col_tiles(int k) { return ceil_div(k, HandshakeTileDeep::BN); }
+constexpr int kHandshakeBM = HandshakeTileDeep::BM;
+static_assert(HandshakeTileWide::BN == HandshakeTileDeep::BN && HandshakeTileWide::BM == kHandshakeBM,
+              "one tile shape");
 
 // The handshake kernel's grid on the current device for K: as many CTAs as are resident at
 // once, rounded down to a multiple of the column tiles (0: fewer fit than a row block has
 // tiles). Occupancy asked once per device, after raising the kernel's shared memory limit
 // there (which launch_handshake relies on).
-template <typename T, bool TRANS>
+template <typename T, bool TRANS, class Tile>
 int handshake_grid(int k) {
   static std::atomic<int> cache[kMaxDevices];  // resident CTAs + 1; 0: not asked yet
   int device = 0;
@@ -1757,12 +1778,12 @@ int handshake_grid(int k) {
   std::atomic<int>* slot = device < kMaxDevices ? &cache[device] : nullptr;
   int resident = slot != nullptr ? slot->load(std::memory_order_relaxed) - 1 : -1;
   if (resident < 0) {
-    const auto kernel = handshake_kernel_of<T, TRANS>();
+    const auto kernel = handshake_kernel_of<T, TRANS, Tile>();
     int per_sm = 0, sms = 0;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(HandshakeTile::kSmem)) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, HandshakeTile::THREADS,
-                                                      HandshakeTile::kSmem) != cudaSuccess ||
+                             static_cast<int>(Tile::kSmem)) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tile::THREADS,
+                                                      Tile::kSmem) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
       cudaGetLastError();
       per_sm = 0;
@@ -1779,17 +1800,18 @@ int handshake_grid(int k) {
 // of the multiprocessors busy (fewer rows are left to cuBLAS, which splits them finer).
 template <typename T, bool TRANS>
 bool handshake_applies(const Args<T>& a, const DeviceInfo& d) {
-  if (!wgmma_applies(a, d) || !d.coop || handshake_grid<T, TRANS>(a.k) == 0) return false;
-  return 2 * ceil_div(a.rows, HandshakeTile::BM) * handshake_col_tiles(a.k) >= d.num_sms;
+  if (!wgmma_applies(a, d) || !d.coop) return false;
+  const int grid = with_handshake_tile(
+      a.k, [&](auto tile) { return handshake_grid<T, TRANS, decltype(tile)>(a.k); });
+  return grid > 0 && 2 * ceil_div(a.rows, kHandshakeBM) * handshake_col_tiles(a.k) >= d.num_sms;
 }
 
 // Launches the handshake kernel (handshake_applies holds) in launches of at most INT_MAX / BM
 // - 1 row blocks, so that the tensor maps' row coordinates stay 32-bit.
-template <typename T, bool TRANS>
+template <typename T, bool TRANS, class Tile>
 cudaError_t launch_handshake(Args<T> a, int* counters, cudaStream_t stream) {
-  using Tile = HandshakeTile;
-  const auto kernel = handshake_kernel_of<T, TRANS>();
-  const int grid = handshake_grid<T, TRANS>(a.k);
+  const auto kernel = handshake_kernel_of<T, TRANS, Tile>();
+  const int grid = handshake_grid<T, TRANS, Tile>(a.k);
   const int64_t col_tiles = handshake_col_tiles(a.k);
   const int64_t row_blocks = ceil_div(a.rows, Tile::BM), total_rows = a.rows;
   constexpr int64_t kPerLaunch = INT_MAX / Tile::BM - 1;
@@ -1868,7 +1890,7 @@ int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, co
     const Args<T> a = make_args<T>(const_cast<T*>(x), layout, w, nullptr, /*mma=*/true);
     const bool applies = transpose ? handshake_applies<T, true>(a, d)
                                    : handshake_applies<T, false>(a, d);
-    return applies ? ceil_div(layout.rows, HandshakeTile::BM) : 0;
+    return applies ? ceil_div(layout.rows, kHandshakeBM) : 0;
   }
 }
 
@@ -1880,8 +1902,11 @@ cudaError_t square_matmul_handshake(T* x, const RowLayout& layout, const T* w, c
   } else {
     // make_args's mma only sets the staging kernels' row pitch, which this kernel ignores.
     const Args<T> a = make_args(x, layout, w, bias, /*mma=*/true);
-    return transpose ? launch_handshake<T, true>(a, counters, stream)
-                     : launch_handshake<T, false>(a, counters, stream);
+    return with_handshake_tile(a.k, [&](auto tile) {
+      using Tile = decltype(tile);
+      return transpose ? launch_handshake<T, true, Tile>(a, counters, stream)
+                       : launch_handshake<T, false, Tile>(a, counters, stream);
+    });
   }
 }
 
