@@ -1763,7 +1763,8 @@ auto handshake_kernel_of() {
 // A row block's output tiles (T in the kernel's comment); BN and BM are the same in both tiles.
 inline int handshake_col_tiles(int k) { return ceil_div(k, HandshakeTileDeep::BN); }
 constexpr int kHandshakeBM = HandshakeTileDeep::BM;
-static_assert(HandshakeTileWide::BN == HandshakeTileDeep::BN && HandshakeTileWide::BM == kHandshakeBM,
+static_assert(HandshakeTileWide::BN == HandshakeTileDeep::BN &&
+                  HandshakeTileWide::BM == kHandshakeBM,
               "one tile shape");
 
 // The handshake kernel's grid on the current device for K: as many CTAs as are resident at
