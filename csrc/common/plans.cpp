@@ -255,11 +255,13 @@ void check_backward_tensors(const char* op, const at::Tensor& y, const at::Tenso
 void build_backward_index(const char* op, int64_t lead, at::Tensor& yv, at::Tensor& gv,
                           const at::Tensor* dxv, const at::Tensor* mv, BackwardRows& rows,
                           RowIndexer* mask_row) {
-  for (auto [t, index] : {std::pair{&yv, &rows.y.row}, std::pair{&gv, &rows.grad.row}}) {
-    if (try_row_index(lead, *t, *index)) continue;
-    *t = t->contiguous();
-    build_row_index(op, t == &yv ? "y" : "grad", lead, *t, *index);
-  }
+  const auto read_index = [&](const char* name, at::Tensor& t, RowIndexer& index) {
+    if (try_row_index(lead, t, index)) return;
+    t = t.contiguous();
+    build_row_index(op, name, lead, t, index);
+  };
+  read_index("y", yv, rows.y.row);
+  read_index("grad", gv, rows.grad.row);
   if (dxv) build_row_index(op, "grad_x", lead, *dxv, rows.grad_x.row);
   if (mv) build_row_index(op, "mask", lead, *mv, *mask_row);
 }

@@ -88,8 +88,9 @@ __device__ __forceinline__ void copy16(void* dst, const void* src, bool in) {
 // *p, its cache line kept in L2 ahead of the streamed rows (marked evict-last by a prefetch of
 // the same address just before, sm_80+): for data that many rows read again, such as a mask
 // broadcast over the batch, which a batch's own rows (read and written once) would otherwise
-// flush from L2 before the next batch reads it. (A load with an evict-last cache policy instead holds the
-// policy in two registers, which spilled the largest masked kernels on sm_80 and sm_90a.)
+// flush from L2 before the next batch reads it. (A load with an evict-last cache policy
+// instead holds the policy in two registers, which spilled the largest masked kernels on sm_80
+// and sm_90a.)
 template <typename V>
 __device__ __forceinline__ V load_keep_in_l2(const V* p) {
 #if __CUDA_ARCH__ >= 800
