@@ -86,6 +86,9 @@ def test_layer_norm(device, dtype, case, with_weight, with_bias, eps, seed):
 @settings(max_examples=examples(20))
 @given(rows=st.integers(1, 8), n=widths(), offset=st.sampled_from([-300.0, 100.0, 1000.0, 3e4]),
        spread=st.sampled_from([1e-3, 1.0, 30.0]), seed=seeds)
+# Found by CI (stop 33): the CPU kernel rounded the mean to fp32 before subtracting it, 8.0e-7
+# against PyTorch's 2.6e-7 (allowed 7.3e-7); its outputs are now computed in double.
+@example(rows=3, n=3, offset=100.0, spread=30.0, seed=738)
 def test_layer_norm_with_a_large_common_offset(device, dtype, rows, n, offset, spread, seed):
     """Rows far from 0 relative to their spread: the statistics must not lose the spread to
     the offset's rounding (the fp32 kernels reduce relative to a pivot, the 16-bit ones need
