@@ -126,14 +126,18 @@ def test_zero_workspace_cluster_shapes(dtype, m, k):
 # Shapes for the default path's handshake kernel (sm_90a builds on sm_90, 16-bit, rows evenly
 # spaced; CTAs write their tiles over x once every CTA of the same 128 rows has read them):
 # M of no tile size; K a multiple of 8 but not of 64 or 256 (the last k step and column tile
-# part outside W); row blocks of 1 (K = 8) to 33 (K = 8200) column tiles, which the grid of
-# an H100 (132 CTAs) holds 132, 126 (K = 1784: 7 tiles) or 99 (33 tiles) of; rows a pitch
-# of 2K apart. Elsewhere these run the cuBLAS path, which they test as well.
+# part outside W); row blocks of 1 (K = 8) to 33 (K = 8200) column tiles, of which the grid
+# of an H100 (132 CTAs) holds 132 or 126 (K = 1784: 7 tiles). From K = 4096 the CTAs run in
+# clusters of two that share W tiles and take two row blocks at a time: the grid is 132 CTAs
+# at K = 8200 (2 x 33 clusters) and 102 at K = 4104 (3 x 17), and their odd counts of row
+# blocks (17, 9) leave the last cluster's second CTA without rows; rows a pitch of 2K apart
+# (every_other_row). Elsewhere these run the cuBLAS path, which they test as well.
 @requires_cuda
 @pytest.mark.parametrize("m,k,layout", [
     (8209, 1032, "contiguous"), (4100, 2568, "contiguous"), (5000, 3080, "every_other_row"),
     (700, 8192, "contiguous"), (8209, 744, "contiguous"), (4100, 1784, "every_other_row"),
-    (100003, 8, "contiguous"), (2050, 8200, "contiguous")], ids=str)
+    (100003, 8, "contiguous"), (2050, 8200, "contiguous"), (1100, 4104, "every_other_row")],
+    ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_default_handshake_shapes(dtype, m, k, layout):
     for transpose in (False, True):
@@ -147,7 +151,7 @@ def test_default_handshake_shapes(dtype, m, k, layout):
 # kernel waits for: counters left so would let CTAs write their tiles over rows that others
 # still read (elsewhere these shapes run cuBLAS's path, and the garbage is never read).
 @requires_cuda
-@pytest.mark.parametrize("m,k", [(8209, 1032), (4100, 2568)], ids=str)
+@pytest.mark.parametrize("m,k", [(8209, 1032), (4100, 2568), (4100, 4104)], ids=str)
 def test_default_handshake_counters_start_from_garbage(m, k):
     def op(x, weight, bias, *, transpose):
         counters = -(-m // 128)

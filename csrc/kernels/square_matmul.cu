@@ -738,6 +738,9 @@ struct WgmmaTile {
   // multicast their pieces, in whole 8-row swizzle atoms (1024 bytes, which keeps every piece
   // aligned as the swizzle needs).
   static constexpr bool kTma = true;
+  // CTAs that share each W tile, each loading 1 / kWParts of it for all (the handshake
+  // kernel's clusters); 1: each loads its own.
+  static constexpr int kWParts = 1;
   // The stages start 1024-byte aligned (swizzle); a full and an empty barrier per stage.
   static constexpr int kSmemSlack = 1024 + 2 * kStages * 8;
   // The producer warpgroup needs few registers; the two MMA warpgroups take what it gives up
@@ -768,20 +771,30 @@ __device__ __forceinline__ void init_stage_barriers(uint32_t full0, uint32_t emp
   mbar_init_fence();
 }
 
-// Loads the (BK x BN) W tile of k [k0, k0 + BK) and output columns [j0, j0 + BN) into the W
-// part of the stage at shared address st, counted on barrier `full`: one box of W's rows j
-// when transposed, else BN / BK boxes of BK rows k by BK columns j.
+// Loads part `part` of Tile::kWParts of the (BK x BN) W tile of k [k0, k0 + BK) and output
+// columns [j0, j0 + BN) into the W part of the stage at shared address st, counted on barrier
+// `full`, and with kWParts > 1 multicast to the cluster's kWParts CTAs (the same address and
+// barrier in each): BN / kWParts of W's rows j when transposed (the map's box), else
+// BN / BK / kWParts boxes of BK rows k by BK columns j.
 template <bool TRANS, class Tile>
 __device__ __forceinline__ void tma_load_w(uint32_t st, const TmaMaps& maps, int k0, int j0,
-                                           uint32_t full) {
-  constexpr int BN = Tile::BN, BK = Tile::BK;
+                                           uint32_t full, int part = 0) {
+  constexpr int BN = Tile::BN, BK = Tile::BK, P = Tile::kWParts;
   const uint32_t wt = st + Tile::A_BYTES;
+  auto load = [&](uint32_t dst, int c0, int c1) {
+    if constexpr (P > 1)
+      tma_load_2d_multicast(dst, &maps.w, c0, c1, full, static_cast<uint16_t>((1u << P) - 1));
+    else
+      tma_load_2d(dst, &maps.w, c0, c1, full);
+  };
   if constexpr (TRANS) {
-    tma_load_2d(wt, &maps.w, k0, j0, full);
+    constexpr int kRows = BN / P;
+    load(wt + part * kRows * kSwizzleBytes, k0, j0 + part * kRows);
   } else {
+    constexpr int kBoxes = BN / BK / P;
 #pragma unroll
-    for (int b = 0; b < BN / BK; ++b)
-      tma_load_2d(wt + b * BK * kSwizzleBytes, &maps.w, j0 + BK * b, k0, full);
+    for (int b = part * kBoxes; b < (part + 1) * kBoxes; ++b)
+      load(wt + b * BK * kSwizzleBytes, j0 + BK * b, k0);
   }
 }
 
@@ -977,37 +990,46 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   float* const bias = reinterpret_cast<float*>(out + Tile::kOutBoxes * BOX_BYTES);
   const uint32_t full0 = smem_u32(bias + BN), empty0 = full0 + 8 * S;
 
+  // Clusters of C CTAs take C row blocks at a time (a group) and share each W tile: CTA
+  // `rank` of a cluster loads part `rank` of it for all (tma_load_w).
+  constexpr int C = Tile::kWParts;
+  constexpr uint32_t W_BYTES = STAGE_BYTES - Tile::A_BYTES;
+  const int rank = static_cast<int>(blockIdx.x) % C;
+  const int64_t cluster_id = blockIdx.x / C, clusters = gridDim.x / C;
   const int col_tiles = (a.k + BN - 1) / BN;
   const int k_tiles = (a.k + BK - 1) / BK;
   const int64_t row_blocks = (a.rows + BM - 1) / BM;
-  const int64_t tiles = row_blocks * col_tiles;
-  const int j0 = static_cast<int>(blockIdx.x) % col_tiles * BN;  // the same in every round
+  const int64_t tiles = (row_blocks + C - 1) / C * col_tiles;  // of groups
+  const int j0 = static_cast<int>(cluster_id % col_tiles) * BN;  // the same in every round
   const int tid = static_cast<int>(threadIdx.x);
+  // This CTA's row block in group tile i (with C > 1, past the last one for the last CTA of a
+  // last group that has fewer: it loads and shares its part of W all the same).
+  auto row_block = [&](int64_t i) { return i / col_tiles * C + rank; };
   // The CTA's steps (k tiles of its tiles, in order: the stages are a ring across tiles): at
   // most (row_blocks + 1) * k_tiles (G >= T), about M * K / 8192, an int for any x of fewer
   // than 2^44 elements.
-  const int steps = blockIdx.x < tiles
-                        ? static_cast<int>((tiles - 1 - blockIdx.x) / gridDim.x + 1) * k_tiles
+  const int steps = cluster_id < tiles
+                        ? static_cast<int>((tiles - 1 - cluster_id) / clusters + 1) * k_tiles
                         : 0;
-  // The producer's next step t: k tile kt of the CTA's tile i, whose rows start at the maps'
-  // row r0 (32-bit). Advanced in place: computed from t by 64-bit divisions, the step's
-  // indices held the loads up (H100, bf16: 8-18% slower at every K and M).
+  // The producer's next step t: k tile kt of the CTA's tile i, of row block rb. Advanced in
+  // place: computed from t by 64-bit divisions, the step's indices held the loads up (H100,
+  // bf16: 8-18% slower at every K and M).
   int t_next = 0, kt_next = 0;
-  int64_t i_next = blockIdx.x;
-  int r0_next = static_cast<int>(i_next / col_tiles) * BM;
+  int64_t i_next = cluster_id, rb_next = row_block(i_next);
   // Waits for the next step's stage to be free, then loads its x and W tiles into it.
   auto load_next = [&]() {
     const int s = t_next % S, k0 = kt_next * BK;
     const uint32_t full = full0 + 8 * s, st = stages_addr + s * STAGE_BYTES;
+    const bool rows = rb_next < row_blocks;
     mbar_wait(empty0 + 8 * s, (t_next / S & 1) ^ 1);
-    mbar_arrive_expect_tx(full, STAGE_BYTES);
-    tma_load_2d(st, &maps.x, k0, r0_next, full);
-    tma_load_w<TRANS, Tile>(st, maps, k0, j0, full);
+    mbar_arrive_expect_tx(full, rows ? STAGE_BYTES : W_BYTES);
+    if (rows) tma_load_2d(st, &maps.x, k0, static_cast<int>(rb_next) * BM, full);
+    tma_load_w<TRANS, Tile>(st, maps, k0, j0, full, rank);
     ++t_next;
     if (++kt_next == k_tiles) {
       kt_next = 0;
-      i_next += gridDim.x;
-      r0_next = static_cast<int>(i_next / col_tiles) * BM;
+      i_next += clusters;
+      rb_next = row_block(i_next);
     }
   };
 
@@ -1024,10 +1046,13 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   // have the same columns, and the epilogue then waits on no global load.
   for (int j = tid; j < BN; j += Tile::THREADS)
     bias[j] = a.bias != nullptr && j0 + j < a.k ? to_float(a.bias[j0 + j]) : 0.f;
-  if (tid == 0) {
-    init_stage_barriers<S>(full0, empty0, Tile::kConsumers);
+  // A stage is empty once both consumer warpgroups of every CTA it was loaded into are done
+  // with it.
+  if (tid == 0) init_stage_barriers<S>(full0, empty0, Tile::kConsumers * C);
+  // No CTA of the cluster loads into another's stages before their barriers are initialised.
+  if constexpr (C > 1) cluster_sync();
+  if (tid == 0)
     while (t_next < std::min(steps, S)) load_next();  // every stage is free
-  }
   cg::this_grid().sync();  // also the CTA barrier after the stage barriers' initialisation
 
   const int wg = tid / 128;
@@ -1036,6 +1061,8 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
     if (tid == 0)
       while (t_next < steps) load_next();
     __syncwarp();
+    // The cluster's other CTAs may load into this one's stages until they are done.
+    if constexpr (C > 1) cluster_sync();
     return;
   }
 
@@ -1046,13 +1073,26 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   const int c = wg - 1, lane = tid % 32, in_wg = tid % 128;
   const int m = c * 64 + in_wg / 32 * 16 + lane / 4;
   const bool leader = tid == 128;
+  // Thread r < C of each warpgroup frees the stage in CTA r of the cluster.
   auto release = [&](int t) {
-    if (in_wg == 0) mbar_arrive(empty0 + 8 * (t % S));
+    if constexpr (C > 1) {
+      if (in_wg < C) mbar_arrive_cluster(empty0 + 8 * (t % S), in_wg);
+    } else {
+      if (in_wg == 0) mbar_arrive(empty0 + 8 * (t % S));
+    }
   };
   float acc[128];
   int t = 0;
-  for (int64_t i = blockIdx.x; i < tiles; i += gridDim.x) {
-    const int r0 = static_cast<int>(i / col_tiles) * BM;
+  for (int64_t i = cluster_id; i < tiles; i += clusters) {
+    const int64_t rb = row_block(i);
+    if (rb >= row_blocks) {  // no rows: this CTA's stages only pass its part of W through
+      for (int kt = 0; kt < k_tiles; ++kt, ++t) {
+        mbar_wait(full0 + 8 * (t % S), t / S & 1);
+        release(t);
+      }
+      continue;
+    }
+    const int r0 = static_cast<int>(rb) * BM;  // the maps' rows (32-bit)
     // One group of MMAs stays in flight: step t's stage is freed once step t + 1's MMAs are
     // issued and t's have finished, the tile's last once all have.
     for (int kt = 0; kt < k_tiles; ++kt, ++t) {
@@ -1066,7 +1106,7 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
 
     // Both warpgroups' MMAs are done (the row block is read) and the last tile's stores
     // have read the staging tile: say so, then stage this tile.
-    int* const counter = block_counters + i / col_tiles;
+    int* const counter = block_counters + rb;
     if (leader) bulk_wait_read();
     named_barrier(1, 128 * Tile::kConsumers);
     if (leader) red_release_gpu_add(counter, 1);
@@ -1109,6 +1149,8 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
     }
   }
   if (leader) bulk_wait();
+  // The cluster's other CTAs may arrive on this one's barriers until they are done.
+  if constexpr (C > 1) cluster_sync();
 }
 
 template <typename T, bool TRANS, class Tile>
@@ -1625,7 +1667,8 @@ cudaError_t make_maps(const Args<T>& a, int64_t row0, int64_t rows, int cluster,
   const bool ok =
       encode_map(&m->x, a.x + a.row.offset(row0), a.k, rows, round_up(pitch, 16), Tile::BK,
                  Tile::BM / cluster) &&
-      encode_map(&m->w, a.w, a.k, a.k, a.k * sizeof(T), Tile::BK, TRANS ? Tile::BN : Tile::BK);
+      encode_map(&m->w, a.w, a.k, a.k, a.k * sizeof(T), Tile::BK,
+                 TRANS ? Tile::BN / Tile::kWParts : Tile::BK);
   return ok ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -1724,9 +1767,10 @@ Args<T> make_args(T* x, const RowLayout& layout, const T* w, const T* bias, bool
 // The handshake kernel's tiles: the warpgroup kernel's with STAGES stages and beside them a
 // staging tile of OUT_BOXES boxes of BK output columns, which stages an output tile in
 // kOutParts parts.
-template <int STAGES, int OUT_BOXES>
+template <int STAGES, int OUT_BOXES, int CLUSTER = 1>
 struct HandshakeTile : WgmmaTile<STAGES> {
   using Base = WgmmaTile<STAGES>;
+  static constexpr int kWParts = CLUSTER;  // CTAs per cluster, which share W tiles
   static constexpr int kOutBoxes = OUT_BOXES;
   static constexpr int kOutParts = Base::BN / Base::BK / OUT_BOXES;
   static_assert(kOutParts * OUT_BOXES * Base::BK == Base::BN, "whole parts");
@@ -1734,25 +1778,44 @@ struct HandshakeTile : WgmmaTile<STAGES> {
       Base::kSmemSlack + (Base::kStages * Base::STAGE + Base::BM * Base::BK * OUT_BOXES) * 2 +
       Base::BN * sizeof(float);
 };
-// K <= 4096: four stages, half an output tile staged at a time. K > 4096: three stages, the
-// whole output tile staged at once. H100, bf16, one build, two sweeps of K = 1024-8192,
-// M = 4096-65536: four stages ran every cell faster on the mean, by 1.5-11% (K = 1024,
-// M = 16384: 63.4-64.0 -> 59.0-59.2 us), in spite of the second half's wait for the first
-// half's stores. But at K = 8192, M = 65536 a call of the four-stage kernel took 12-13 ms
-// (three stages: 13-14.5) or, in runs of calls, 17-25 ms, bimodal where three stages were
-// steady (per-call CUDA events, same clocks and power in both). Why was not found; one
-// difference that may matter: with the whole output tile staged, one consumer warpgroup
-// goes on into the next tile while the leader's waits for the row block's last CTA, where
-// with half a tile both wait before the second half.
+// Four stages, the output tile staged in halves (the second half waits for the first half's
+// stores to have read the staging tile), which leaves room for the fourth stage. H100, bf16,
+// K = 1024-8192, M = 4096-65536: faster in every cell than three stages with the whole tile
+// staged, by 1.5-11%.
+// From K = 4096 in clusters of two CTAs that share each W tile: at large K the kernel is
+// bound by L2, which every CTA's W loads crossed. H100, bf16, M = 4096-65536, two runs each
+// in one build: K = 4096 up to 2% faster than the same tile in clusters of one; K = 8192
+// 5-10% faster than three stages with the whole tile staged in clusters of one (M = 65536:
+// 12.6-12.7 ms against 14.0-14.1), which had been kept there because four stages in clusters
+// of one ran some calls at 17-25 ms instead of 12-13 (per-call CUDA events, same clocks and
+// power); in clusters of two no call did. Below K = 4096 the clusters' barriers cost more
+// than the shared loads save: K = 1024 and 2048, M = 4096, 4-10% slower.
 using HandshakeTileDeep = HandshakeTile<4, 2>;
-using HandshakeTileWide = HandshakeTile<3, 4>;
-static_assert(HandshakeTileDeep::kSmem <= 227 * 1024, "fits an H100's shared memory per block");
-constexpr int kHandshakeDeepMaxK = 4096;
+using HandshakeTilePair = HandshakeTile<4, 2, 2>;
+static_assert(HandshakeTilePair::kSmem <= 227 * 1024, "fits an H100's shared memory per block");
+constexpr int kHandshakePairMinK = 4096;
 
 // Calls f with the tile for K (a value of its type).
 template <class F>
 auto with_handshake_tile(int k, F&& f) {
-  return k <= kHandshakeDeepMaxK ? f(HandshakeTileDeep{}) : f(HandshakeTileWide{});
+  return k >= kHandshakePairMinK ? f(HandshakeTilePair{}) : f(HandshakeTileDeep{});
+}
+
+// A cooperative launch of the handshake kernel in clusters of `cluster` CTAs (attrs: room
+// for two).
+inline cudaLaunchConfig_t handshake_config(int cluster, unsigned grid, size_t smem,
+                                           cudaStream_t stream, cudaLaunchAttribute* attrs) {
+  attrs[0].id = cudaLaunchAttributeCooperative;
+  attrs[0].val.cooperative = 1;
+  attrs[1] = cluster_dims(cluster);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(HandshakeTileDeep::THREADS);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attrs;
+  cfg.numAttrs = cluster > 1 ? 2 : 1;
+  return cfg;
 }
 
 template <typename T, bool TRANS, class Tile>
@@ -1763,8 +1826,8 @@ auto handshake_kernel_of() {
 // A row block's output tiles (T in the kernel's comment); BN and BM are the same in both tiles.
 inline int handshake_col_tiles(int k) { return ceil_div(k, HandshakeTileDeep::BN); }
 constexpr int kHandshakeBM = HandshakeTileDeep::BM;
-static_assert(HandshakeTileWide::BN == HandshakeTileDeep::BN &&
-                  HandshakeTileWide::BM == kHandshakeBM,
+static_assert(HandshakeTilePair::BN == HandshakeTileDeep::BN &&
+                  HandshakeTilePair::BM == kHandshakeBM,
               "one tile shape");
 
 // The handshake kernel's grid on the current device for K: as many CTAs as are resident at
@@ -1773,7 +1836,8 @@ static_assert(HandshakeTileWide::BN == HandshakeTileDeep::BN &&
 // there (which launch_handshake relies on).
 template <typename T, bool TRANS, class Tile>
 int handshake_grid(int k) {
-  static std::atomic<int> cache[kMaxDevices];  // resident CTAs + 1; 0: not asked yet
+  constexpr int C = Tile::kWParts;
+  static std::atomic<int> cache[kMaxDevices];  // resident clusters + 1; 0: not asked yet
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   std::atomic<int>* slot = device < kMaxDevices ? &cache[device] : nullptr;
@@ -1782,18 +1846,25 @@ int handshake_grid(int k) {
     const auto kernel = handshake_kernel_of<T, TRANS, Tile>();
     int per_sm = 0, sms = 0;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(Tile::kSmem)) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tile::THREADS,
-                                                      Tile::kSmem) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      cudaGetLastError();
-      per_sm = 0;
+                             static_cast<int>(Tile::kSmem)) != cudaSuccess) {
+      resident = 0;
+    } else if constexpr (C > 1) {
+      cudaLaunchAttribute attrs[2];
+      const cudaLaunchConfig_t cfg = handshake_config(C, C, Tile::kSmem, nullptr, attrs);
+      if (cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg) != cudaSuccess) resident = 0;
+    } else if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tile::THREADS,
+                                                             Tile::kSmem) != cudaSuccess ||
+               cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
+                   cudaSuccess) {
+      resident = 0;
+    } else {
+      resident = per_sm * sms;
     }
-    resident = per_sm * sms;
+    cudaGetLastError();
     if (slot != nullptr) slot->store(resident + 1, std::memory_order_relaxed);
   }
   const int col_tiles = handshake_col_tiles(k);
-  return resident / col_tiles * col_tiles;
+  return resident / col_tiles * col_tiles * C;
 }
 
 // Whether the handshake kernel applies: where the warpgroup kernel does, with cooperative
@@ -1826,11 +1897,12 @@ cudaError_t launch_handshake(Args<T> a, int* counters, cudaStream_t stream) {
     TmaMaps maps;
     err = make_maps<T, TRANS, Tile>(a, row0, a.rows, 1, &maps);
     if (err != cudaSuccess) break;
-    void* params[] = {&a, &maps, &counters};
-    err = cudaLaunchCooperativeKernel(
-        reinterpret_cast<const void*>(kernel),
-        dim3(static_cast<unsigned>(std::min<int64_t>(grid, blocks * col_tiles))),
-        dim3(Tile::THREADS), params, Tile::kSmem, stream);
+    constexpr int C = Tile::kWParts;
+    const int64_t ctas = std::min<int64_t>(grid, ceil_div(blocks, int64_t{C}) * col_tiles * C);
+    cudaLaunchAttribute attrs[2];
+    const cudaLaunchConfig_t cfg =
+        handshake_config(C, static_cast<unsigned>(ctas), Tile::kSmem, stream, attrs);
+    err = cudaLaunchKernelEx(&cfg, kernel, a, maps, counters);
   }
   return err == cudaSuccess ? cudaGetLastError() : err;
 }
