@@ -76,6 +76,10 @@ def check_rms_norm(device, dtype, lead, normalized, layout, seed, with_weight, e
 # chunk statistics fixed it (passes on the H100 since, see benchmarks/results/gpu_tests.md).
 @example(case=((), (2, 8, 1), "contiguous"), with_weight=True, with_bias=False, eps=1e-6,
          seed=70169569)
+# Found on the H100 (stop 34): one fp32 row of 3 with a weight, 1.14e-7 against PyTorch's
+# 5.1e-9 (allowed 1.06e-7): rstd, computed in fp32, was an ulp off; fp32 rows now compute it
+# in double (NormOpBase::rstd_of).
+@example(case=((), (3,), "contiguous"), with_weight=True, with_bias=False, eps=1e-5, seed=0)
 def test_layer_norm(device, dtype, case, with_weight, with_bias, eps, seed):
     lead, normalized, layout = case
     check_layer_norm(device, dtype, lead, normalized, layout, seed, with_weight, with_bias, eps)

@@ -131,6 +131,19 @@ struct NormOpBase {
   __device__ __forceinline__ void save(int64_t r, const Fin& f) const {
     if (rstd_out != nullptr) rstd_out[r] = f.rstd;
   }
+
+  // 1 / sqrt(sq / n + eps) for a row's sum of squares (about its mean for LayerNorm), once
+  // per row; correctly rounded (not the 2-ulp __fdividef / rsqrtf), since the backward
+  // recovers x_hat from y and reads rstd. An fp32 row computes it in double: the quotient's
+  // and the sum's roundings in fp32 put rstd a further ulp off, which an fp32 output shows
+  // (H100, LayerNorm of one row of 3 with a weight: 1.14e-7 against PyTorch's 5.1e-9, which
+  // PyTorch's CPU kernel also reaches; 5.1e-9 in double, emulated on the CPU).
+  __device__ __forceinline__ float rstd_of(float sq) const {
+    if constexpr (sizeof(T) == 4)
+      return static_cast<float>(1.0 / sqrt(fmax(static_cast<double>(sq) / n, 0.0) + eps));
+    else
+      return __frsqrt_rn(fmaxf(sq / static_cast<float>(n), 0.f) + eps);
+  }
 };
 
 // fp32 rows are reduced relative to a pivot (see LayerNormOp::kPivot), 16-bit rows not.
@@ -230,17 +243,13 @@ struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
   using Out = Fin;
 
   __device__ __forceinline__ Fin finish(const State& t, const Row& rc) const {
-    // Biased, as F.layer_norm. IEEE division and a correctly rounded rsqrt (not the 2-ulp
-    // __fdividef / rsqrtf), once per row: the backward recovers x_hat from y and reads rstd,
-    // so their rounding carries into the gradients.
-    const float n = static_cast<float>(this->n);
-    const float var = fmaxf(t.m2 / n, 0.f);
-    const float rstd = __frsqrt_rn(var + this->eps);
+    const float rstd = this->rstd_of(t.m2);  // biased, as F.layer_norm
     if constexpr (!kPivot) {
       return {t.mean, 0.f, rstd};
     } else {
       // mean = (hi + lo) / n as mean + mean_lo, the quotient's remainder exact by FMA; then
       // pivot + mean as hi + lo by TwoSum.
+      const float n = static_cast<float>(this->n);
       const float mean = t.hi / n;
       const float mean_lo = __fadd_rn(fmaf(-mean, n, t.hi), t.lo) / n;
       float err;
@@ -283,7 +292,7 @@ struct RmsNormOp : NormOpBase<T, Sum, 1> {  // the sum of squares
   using Out = Fin;
 
   __device__ __forceinline__ Fin finish(const Sum& t, const Row&) const {
-    return {__frsqrt_rn(t.v / static_cast<float>(this->n) + this->eps)};  // as LayerNorm's
+    return {this->rstd_of(t.v)};
   }
 
   template <int VEC>
