@@ -1830,10 +1830,10 @@ static_assert(HandshakeTilePair::BN == HandshakeTileDeep::BN &&
                   HandshakeTilePair::BM == kHandshakeBM,
               "one tile shape");
 
-// The handshake kernel's grid on the current device for K: as many CTAs as are resident at
-// once, rounded down to a multiple of the column tiles (0: fewer fit than a row block has
-// tiles). Occupancy asked once per device, after raising the kernel's shared memory limit
-// there (which launch_handshake relies on).
+// The handshake kernel's grid (in CTAs) on the current device for K: as many clusters of
+// Tile::kWParts CTAs as are resident at once, rounded down to a multiple of the column tiles
+// (0: fewer fit than a row block has tiles). Occupancy asked once per device, after raising
+// the kernel's shared memory limit there (which launch_handshake relies on).
 template <typename T, bool TRANS, class Tile>
 int handshake_grid(int k) {
   constexpr int C = Tile::kWParts;
