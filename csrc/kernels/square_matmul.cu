@@ -1764,19 +1764,17 @@ Args<T> make_args(T* x, const RowLayout& layout, const T* w, const T* bias, bool
   return a;
 }
 
-// The handshake kernel's tiles: the warpgroup kernel's with STAGES stages and beside them a
-// staging tile of OUT_BOXES boxes of BK output columns, which stages an output tile in
-// kOutParts parts.
-template <int STAGES, int OUT_BOXES, int CLUSTER = 1>
-struct HandshakeTile : WgmmaTile<STAGES> {
-  using Base = WgmmaTile<STAGES>;
+// The handshake kernel's tiles, in clusters of CLUSTER CTAs: the warpgroup kernel's with four
+// stages and beside them a staging tile of kOutBoxes boxes of BK output columns, which stages
+// an output tile in kOutParts parts.
+template <int CLUSTER>
+struct HandshakeTile : WgmmaTile<4> {
   static constexpr int kWParts = CLUSTER;  // CTAs per cluster, which share W tiles
-  static constexpr int kOutBoxes = OUT_BOXES;
-  static constexpr int kOutParts = Base::BN / Base::BK / OUT_BOXES;
-  static_assert(kOutParts * OUT_BOXES * Base::BK == Base::BN, "whole parts");
+  static constexpr int kOutBoxes = 2;
+  static constexpr int kOutParts = BN / BK / kOutBoxes;
+  static_assert(kOutParts * kOutBoxes * BK == BN, "whole parts");
   static constexpr size_t kSmem =
-      Base::kSmemSlack + (Base::kStages * Base::STAGE + Base::BM * Base::BK * OUT_BOXES) * 2 +
-      Base::BN * sizeof(float);
+      kSmemSlack + (kStages * STAGE + BM * BK * kOutBoxes) * 2 + BN * sizeof(float);
 };
 // Four stages, the output tile staged in halves (the second half waits for the first half's
 // stores to have read the staging tile), which leaves room for the fourth stage. H100, bf16,
@@ -1790,8 +1788,8 @@ struct HandshakeTile : WgmmaTile<STAGES> {
 // of one ran some calls at 17-25 ms instead of 12-13 (per-call CUDA events, same clocks and
 // power); in clusters of two no call did. Below K = 4096 the clusters' barriers cost more
 // than the shared loads save: K = 1024 and 2048, M = 4096, 4-10% slower.
-using HandshakeTileDeep = HandshakeTile<4, 2>;
-using HandshakeTilePair = HandshakeTile<4, 2, 2>;
+using HandshakeTileDeep = HandshakeTile<1>;
+using HandshakeTilePair = HandshakeTile<2>;
 static_assert(HandshakeTilePair::kSmem <= 227 * 1024, "fits an H100's shared memory per block");
 constexpr int kHandshakePairMinK = 4096;
 
@@ -1801,20 +1799,21 @@ auto with_handshake_tile(int k, F&& f) {
   return k >= kHandshakePairMinK ? f(HandshakeTilePair{}) : f(HandshakeTileDeep{});
 }
 
-// A cooperative launch of the handshake kernel in clusters of `cluster` CTAs (attrs: room
-// for two).
-inline cudaLaunchConfig_t handshake_config(int cluster, unsigned grid, size_t smem,
-                                           cudaStream_t stream, cudaLaunchAttribute* attrs) {
+// A cooperative launch of `grid` CTAs of Tile's handshake kernel, in its clusters (the
+// cluster attribute only where they have more than one CTA).
+template <class Tile>
+cudaLaunchConfig_t handshake_config(unsigned grid, cudaStream_t stream,
+                                    cudaLaunchAttribute (&attrs)[2]) {
   attrs[0].id = cudaLaunchAttributeCooperative;
   attrs[0].val.cooperative = 1;
-  attrs[1] = cluster_dims(cluster);
+  attrs[1] = cluster_dims(Tile::kWParts);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(HandshakeTileDeep::THREADS);
-  cfg.dynamicSmemBytes = smem;
+  cfg.blockDim = dim3(Tile::THREADS);
+  cfg.dynamicSmemBytes = Tile::kSmem;
   cfg.stream = stream;
   cfg.attrs = attrs;
-  cfg.numAttrs = cluster > 1 ? 2 : 1;
+  cfg.numAttrs = Tile::kWParts > 1 ? 2 : 1;
   return cfg;
 }
 
@@ -1823,12 +1822,10 @@ auto handshake_kernel_of() {
   return &handshake_kernel<T, TRANS, Tile>;
 }
 
-// A row block's output tiles (T in the kernel's comment); BN and BM are the same in both tiles.
+// A row block's output tiles (T in the kernel's comment); BN and BM are the same in every
+// cluster size.
 inline int handshake_col_tiles(int k) { return ceil_div(k, HandshakeTileDeep::BN); }
 constexpr int kHandshakeBM = HandshakeTileDeep::BM;
-static_assert(HandshakeTilePair::BN == HandshakeTileDeep::BN &&
-                  HandshakeTilePair::BM == kHandshakeBM,
-              "one tile shape");
 
 // The handshake kernel's grid (in CTAs) on the current device for K: as many clusters of
 // Tile::kWParts CTAs as are resident at once, rounded down to a multiple of the column tiles
@@ -1850,7 +1847,7 @@ int handshake_grid(int k) {
       resident = 0;
     } else if constexpr (C > 1) {
       cudaLaunchAttribute attrs[2];
-      const cudaLaunchConfig_t cfg = handshake_config(C, C, Tile::kSmem, nullptr, attrs);
+      const cudaLaunchConfig_t cfg = handshake_config<Tile>(C, nullptr, attrs);
       if (cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg) != cudaSuccess) resident = 0;
     } else if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tile::THREADS,
                                                              Tile::kSmem) != cudaSuccess ||
@@ -1901,7 +1898,7 @@ cudaError_t launch_handshake(Args<T> a, int* counters, cudaStream_t stream) {
     const int64_t ctas = std::min<int64_t>(grid, ceil_div(blocks, int64_t{C}) * col_tiles * C);
     cudaLaunchAttribute attrs[2];
     const cudaLaunchConfig_t cfg =
-        handshake_config(C, static_cast<unsigned>(ctas), Tile::kSmem, stream, attrs);
+        handshake_config<Tile>(static_cast<unsigned>(ctas), stream, attrs);
     err = cudaLaunchKernelEx(&cfg, kernel, a, maps, counters);
   }
   return err == cudaSuccess ? cudaGetLastError() : err;
