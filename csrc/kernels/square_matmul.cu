@@ -964,13 +964,14 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
 // warpgroups, a producer warp kStages steps ahead, going on into the next tile). When a
 // tile's MMAs are done, every x element of the row block that the tile reads has been read:
 // the CTA adds one to the row block's counter (release, GPU scope). It then rounds the
-// accumulators (plus bias) into a staging tile in shared memory, and waits until the counter
-// reaches T (acquire): no CTA reads the row block's x any more, so TMA stores write the tile
-// over x, asynchronously, while the MMAs of the next tile run (where the staging tile holds
-// half an output tile, the second half waits for the first half's stores to have read it;
-// see HandshakeTile). (Written from the registers
-// instead, every CTA's stores came at once, at the end of each round, and the MMAs waited for
-// them: H100, bf16, 0.58-0.65x torch.matmul at K = 1024.)
+// accumulators (plus bias) into registers and starts the next tile's MMAs. Between the next
+// tile's first K steps, while their MMAs run, it stages the held tile in shared memory in
+// kOutParts parts (see HandshakeTile), the first once the counter has reached T (acquire): no
+// CTA reads the row block's x any more, so TMA stores write each part over x,
+// asynchronously. (Staged before the next tile's MMAs instead, the epilogue held both MMA
+// warpgroups up: H100, bf16, M = 16384-65536, 2-5% slower at K = 1024-2048, alike at 4096 and
+// 8192. Written from the registers straight to x, every CTA's stores came at once, at the end
+// of each round, and the MMAs waited for them: 0.58-0.65x torch.matmul at K = 1024.)
 template <typename T, bool TRANS, class Tile>
 __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& maps,
                                                int* counters) {
@@ -1083,6 +1084,51 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   };
   float acc[128];
   int t = 0;
+  // The last tile's output, rounded (plus bias) into pairs, while the next tile's first MMAs
+  // run: held[2 n + h] holds columns 8 n + 2 (lane % 4) + {0, 1} of row m + 8 h.
+  uint32_t held[BN / 4];
+  int* held_counter = nullptr;  // the held tile's row block's counter (nullptr: none held)
+  int held_r0 = 0;
+  // Stages part `part` of the held tile and stores it over x once its row block is read.
+  auto store_held_part = [&](int part) {
+    if (leader) bulk_wait_read();  // the last part's stores have read the staging tile
+    named_barrier(1, 128 * Tile::kConsumers);
+#pragma unroll
+    for (int q = 0; q < Tile::kOutBoxes * BK / 8; ++q) {
+      // Columns 8n + 2 (lane % 4) + {0, 1} of the tile: 16-byte chunk n % BK/8 of a row of
+      // box q / (BK/8), swizzled by the row (the 8 rows a warp writes at once fall in 8
+      // distinct chunks).
+      const int n = part * Tile::kOutBoxes * BK / 8 + q;
+      unsigned char* const box = out + q / (BK / 8) * BOX_BYTES + 4 * (lane % 4);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = m + 8 * h;
+        *reinterpret_cast<uint32_t*>(box + r * kSwizzleBytes + ((n % (BK / 8)) ^ (r % 8)) * 16) =
+            held[2 * n + h];
+      }
+    }
+    fence_proxy_async_shared();
+    named_barrier(1, 128 * Tile::kConsumers);
+    if (leader) {
+      if (part == 0)
+        while (ld_acquire_gpu(held_counter) < col_tiles) __nanosleep(32);
+      fence_proxy_async_global();
+      for (int box = 0; box < Tile::kOutBoxes; ++box) {
+        const int col = j0 + (part * Tile::kOutBoxes + box) * BK;
+        if (col < a.k) tma_store_2d(&maps.x, col, held_r0, out_addr + box * BOX_BYTES);
+      }
+      bulk_commit();
+    }
+  };
+  // K tile kt of a tile. One group of MMAs stays in flight: step t's stage is freed once step
+  // t + 1's MMAs are issued and t's have finished, the tile's last once all have.
+  auto mma_step = [&](int kt) {
+    mbar_wait(full0 + 8 * (t % S), t / S & 1);
+    mma_stage<T, TRANS, Tile>(acc, stages_addr + t % S * STAGE_BYTES, c, kt > 0);
+    wgmma_wait<1>();
+    if (kt > 0) release(t - 1);
+    ++t;
+  };
   for (int64_t i = cluster_id; i < tiles; i += clusters) {
     const int64_t rb = row_block(i);
     if (rb >= row_blocks) {  // no rows: this CTA's stages only pass its part of W through
@@ -1092,62 +1138,32 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
       }
       continue;
     }
-    const int r0 = static_cast<int>(rb) * BM;  // the maps' rows (32-bit)
-    // One group of MMAs stays in flight: step t's stage is freed once step t + 1's MMAs are
-    // issued and t's have finished, the tile's last once all have.
-    for (int kt = 0; kt < k_tiles; ++kt, ++t) {
-      mbar_wait(full0 + 8 * (t % S), t / S & 1);
-      mma_stage<T, TRANS, Tile>(acc, stages_addr + t % S * STAGE_BYTES, c, kt > 0);
-      wgmma_wait<1>();
-      if (kt > 0) release(t - 1);
-    }
-    wgmma_wait<0>();
-    release(t - 1);
-
-    // Both warpgroups' MMAs are done (the row block is read) and the last tile's stores
-    // have read the staging tile: say so, then stage this tile.
-    int* const counter = block_counters + rb;
-    if (leader) bulk_wait_read();
-    named_barrier(1, 128 * Tile::kConsumers);
-    if (leader) red_release_gpu_add(counter, 1);
-    // The tile goes out in kOutParts parts of kOutBoxes boxes, each staged once the last
-    // part's stores have read the staging tile.
+    // The held tile's parts go out between this tile's first K steps, while their MMAs run.
+    int kt = 0;
 #pragma unroll
     for (int part = 0; part < Tile::kOutParts; ++part) {
-      if (part > 0) {
-        if (leader) bulk_wait_read();
-        named_barrier(1, 128 * Tile::kConsumers);
-      }
+      if (kt < k_tiles) mma_step(kt++);
+      if (held_counter != nullptr) store_held_part(part);
+    }
+    for (; kt < k_tiles; ++kt) mma_step(kt);
+    wgmma_wait<0>();
+    release(t - 1);
+    // Both warpgroups' MMAs are done: the row block is read.
+    named_barrier(1, 128 * Tile::kConsumers);
+    held_counter = block_counters + rb;
+    held_r0 = static_cast<int>(rb) * BM;
+    if (leader) red_release_gpu_add(held_counter, 1);
 #pragma unroll
-      for (int q = 0; q < Tile::kOutBoxes * BK / 8; ++q) {
-        // Columns 8n + 2 (lane % 4) + {0, 1} of the tile: 16-byte chunk n % BK/8 of a row of
-        // box q / (BK/8), swizzled by the row (the 8 rows a warp writes at once fall in 8
-        // distinct chunks).
-        const int n = part * Tile::kOutBoxes * BK / 8 + q;
-        const float2 b = *reinterpret_cast<const float2*>(bias + 8 * n + 2 * (lane % 4));
-        unsigned char* const box = out + q / (BK / 8) * BOX_BYTES + 4 * (lane % 4);
+    for (int n = 0; n < BN / 8; ++n) {
+      const float2 b = *reinterpret_cast<const float2*>(bias + 8 * n + 2 * (lane % 4));
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = m + 8 * h;
-          *reinterpret_cast<uint32_t*>(box + r * kSwizzleBytes +
-                                       ((n % (BK / 8)) ^ (r % 8)) * 16) =
-              pack2<T>(acc[4 * n + 2 * h] + b.x, acc[4 * n + 2 * h + 1] + b.y);
-        }
-      }
-      fence_proxy_async_shared();
-      named_barrier(1, 128 * Tile::kConsumers);
-      if (leader) {
-        if (part == 0)
-          while (ld_acquire_gpu(counter) < col_tiles) __nanosleep(32);
-        fence_proxy_async_global();
-        for (int box = 0; box < Tile::kOutBoxes; ++box) {
-          const int col = j0 + (part * Tile::kOutBoxes + box) * BK;
-          if (col < a.k) tma_store_2d(&maps.x, col, r0, out_addr + box * BOX_BYTES);
-        }
-        bulk_commit();
-      }
+      for (int h = 0; h < 2; ++h)
+        held[2 * n + h] = pack2<T>(acc[4 * n + 2 * h] + b.x, acc[4 * n + 2 * h + 1] + b.y);
     }
   }
+  if (held_counter != nullptr)
+#pragma unroll
+    for (int part = 0; part < Tile::kOutParts; ++part) store_held_part(part);
   if (leader) bulk_wait();
   // The cluster's other CTAs may arrive on this one's barriers until they are done.
   if constexpr (C > 1) cluster_sync();
