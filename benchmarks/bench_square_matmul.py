@@ -6,12 +6,14 @@ chunk of rows at a time, copied back) and "zero_workspace" (workspace_bytes=0: t
 needs no memory at all).
 torch.matmul is out of place ("out_of_place"; with a bias it is torch.addmm, as in F.linear);
 for M <= 64 also "matmul+copy_", which writes the result back over x as our default mode does.
-TFLOP/s = 2 M N^2 / median time. peak_extra_bytes: the caching allocator's peak above what
+The implementations of a case take turns in --rounds rounds (common.time_in_turns), so that
+the H100's clocks, which drift under its power cap, weigh on all of them alike; ms is the
+median of the rounds' medians (ms_rounds). TFLOP/s = 2 M N^2 / ms. peak_extra_bytes: the caching allocator's peak above what
 was allocated before the call (the output for torch.matmul, the workspace for ours).
 
 An in-place op timed repeatedly multiplies x by W again and again, so W is a random orthogonal
-matrix (norms stay put up to rounding) and the bias is small; x is refilled before each mode
-and checked to be finite after it.
+matrix (norms stay put up to rounding) and the bias is small; x is refilled before each of our
+measurements and checked to be finite after it.
 
     python benchmarks/bench_square_matmul.py              # the full grid, CUDA
     python benchmarks/bench_square_matmul.py --quick      # a smoke subset
@@ -24,7 +26,9 @@ Writes benchmarks/results/square_matmul.json, square_matmul.md and square_matmul
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,7 +46,7 @@ from benchmarks.common import (  # noqa: E402
     peak_extra_bytes,
     plot_grid,
     results_dir,
-    time_ms,
+    time_in_turns,
     write_results,
 )
 
@@ -64,12 +68,7 @@ def orthogonal(n: int, device) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).contiguous()
 
 
-def measure(fn, timing: dict, device) -> tuple[float, int]:
-    return time_ms(fn, **timing), peak_extra_bytes(fn, device=device)
-
-
 def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None:
-    timing = {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "device": device}
     w = w32.to(dtype)
     wv = w.t() if transpose else w
     b = (BIAS_SCALE * torch.randn(n, device=device)).to(dtype) if bias else None
@@ -85,39 +84,55 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
         records.append(rec)
         return rec
 
+    # (impl, mode) -> the call timed
+    fns: dict[tuple[str, str], object] = {}
     line = []
     for mode, ws in OUR_MODES.items():
         if mode not in args.modes:
             continue
+        fn = functools.partial(mti.square_matmul_, x, w, b, transpose=transpose,
+                               workspace_bytes=ws)
         x.normal_()
         try:
-            ms, peak = measure(
-                lambda: mti.square_matmul_(x, w, b, transpose=transpose, workspace_bytes=ws),
-                timing, device)
+            fn()
         except RuntimeError as e:  # zero_workspace beyond its largest K: recorded, not fatal
             if mode != "zero_workspace" or "too large" not in str(e):
                 raise
             add("make_torch_inplace", mode, None, None, error=str(e).splitlines()[0])
             line.append(f"{mode} unsupported")
             continue
-        finite = bool(torch.isfinite(x).all())
-        rec = add("make_torch_inplace", mode, ms, peak, finite=finite)
-        line.append(f"{mode} {rec['tflops']:.3g}" + ("" if finite else " (x not finite!)"))
-
-    x.normal_()
+        fns["make_torch_inplace", mode] = fn
     if bias:
         def out_of_place():
             return torch.addmm(b, x, wv)
     else:
         def out_of_place():
             return torch.matmul(x, wv)
-    variants = {"out_of_place": out_of_place}
+    fns["torch.matmul", "out_of_place"] = out_of_place
     if m <= SMALL_M:
-        variants["matmul+copy_"] = lambda: x.copy_(out_of_place())
-    for mode, fn in variants.items():
-        ms, peak = measure(fn, timing, device)
-        rec = add("torch.matmul", mode, ms, peak)
-        line.append(f"torch {mode} {rec['tflops']:.3g}")
+        fns["torch.matmul", "matmul+copy_"] = lambda: x.copy_(out_of_place())
+
+    # Each of our measurements starts from fresh x and must leave it finite.
+    keys = list(fns)
+    finite = {key: True for key in keys if key[0] == "make_torch_inplace"}
+
+    def refill(i: int) -> None:
+        x.normal_()
+
+    def check(i: int) -> None:
+        if keys[i] in finite:
+            finite[keys[i]] &= bool(torch.isfinite(x).all())
+
+    times = time_in_turns(list(fns.values()), args.rounds, warmup_ms=args.warmup_ms,
+                          rep_ms=args.rep_ms, device=device, before=refill, after=check)
+    for key, ts in zip(keys, times):
+        impl, mode = key
+        peak = peak_extra_bytes(fns[key], device=device)
+        extra = {"finite": finite[key]} if key in finite else {}
+        rec = add(impl, mode, statistics.median(ts), peak, ms_rounds=ts, **extra)
+        label = mode if impl == "make_torch_inplace" else f"torch {mode}"
+        line.append(f"{label} {rec['tflops']:.3g}" + ("" if finite.get(key, True)
+                                                       else " (x not finite!)"))
     print(f"{base['dtype']:8s} M={m:<6d} N={n:<5d} T={int(transpose)} bias={int(bias)} TFLOP/s: "
           + ", ".join(line), flush=True)
 
@@ -199,7 +214,10 @@ def parse_args(argv):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu only checks the code paths; its numbers mean little")
     parser.add_argument("--warmup-ms", type=float, default=10.0)
-    parser.add_argument("--rep-ms", type=float, default=40.0)
+    parser.add_argument("--rep-ms", type=float, default=60.0,
+                        help="timed calls per case and implementation, split over the rounds")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds in which the implementations take turns (median of them)")
     args = parser.parse_args(argv)
     args.dtypes = args.dtypes or (QUICK["dtypes"] if args.quick else ALL_DTYPES)
     args.ms = args.ms or (QUICK["ms"] if args.quick else ALL_M)

@@ -119,6 +119,35 @@ def time_ms(
     return _perf_counter_ms(fn, warmup_ms, rep_ms)
 
 
+def time_in_turns(
+    fns: Sequence[Callable[[], object]],
+    rounds: int,
+    *,
+    warmup_ms: float,
+    rep_ms: float,
+    device: torch.device | str | None = None,
+    before: Callable[[int], None] | None = None,
+    after: Callable[[int], None] | None = None,
+) -> list[list[float]]:
+    """time_ms of each fn in `rounds` rounds, the fns taking turns within each round, each
+    measurement rep_ms / rounds long; returns each fn's list of round medians.
+
+    Taking turns exposes every fn to the same drift of the machine (clocks under a power cap,
+    the host's speed), which a measurement of one fn after another would attribute to
+    whichever fn it hit. before(i) / after(i) run around fn i's measurement, untimed.
+    """
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            if before is not None:
+                before(i)
+            times[i].append(time_ms(fn, warmup_ms=warmup_ms, rep_ms=rep_ms / rounds,
+                                    device=device))
+            if after is not None:
+                after(i)
+    return times
+
+
 def _repeats(estimate_ms: float, budget_ms: float) -> int:
     return max(1, min(10_000, int(budget_ms / max(estimate_ms, 1e-6))))
 
