@@ -45,7 +45,7 @@ from benchmarks.common import (  # noqa: E402
     peak_extra_bytes,
     plot_grid,
     results_dir,
-    time_in_turns,
+    time_ms,
     write_results,
 )
 
@@ -170,7 +170,10 @@ def measure_pair(fns: list[Callable[[], torch.Tensor]], device) -> list[tuple]:
     """(output, median ms, peak bytes) of each fn, timed in ROUNDS alternating rounds."""
     outs = [fn() for fn in fns]  # compiles (converted models) outside the measurements
     peaks = [peak_extra_bytes(fn, device=device) for fn in fns]
-    times = time_in_turns(fns, ROUNDS, warmup_ms=5.0, rep_ms=DEFAULT_REP_MS, device=device)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(ROUNDS):
+        for fn, ts in zip(fns, times):
+            ts.append(time_ms(fn, device=device, warmup_ms=5.0, rep_ms=DEFAULT_REP_MS / ROUNDS))
     return [(out, statistics.median(ts), peak) for out, ts, peak in zip(outs, times, peaks)]
 
 

@@ -6,14 +6,14 @@ chunk of rows at a time, copied back) and "zero_workspace" (workspace_bytes=0: t
 needs no memory at all).
 torch.matmul is out of place ("out_of_place"; with a bias it is torch.addmm, as in F.linear);
 for M <= 64 also "matmul+copy_", which writes the result back over x as our default mode does.
-The implementations of a case take turns in --rounds rounds (common.time_in_turns), so that
-the H100's clocks, which drift under its power cap, weigh on all of them alike; ms is the
-median of the rounds' medians (ms_rounds). TFLOP/s = 2 M N^2 / ms. peak_extra_bytes: the caching allocator's peak above what
+The implementations of a case take turns call by call (common.time_alternating), so that the
+H100's clocks, which drift under its power cap, weigh on all of them alike; ms is the median
+over the calls. TFLOP/s = 2 M N^2 / ms. peak_extra_bytes: the caching allocator's peak above what
 was allocated before the call (the output for torch.matmul, the workspace for ours).
 
 An in-place op timed repeatedly multiplies x by W again and again, so W is a random orthogonal
-matrix (norms stay put up to rounding) and the bias is small; x is refilled before each of our
-measurements and checked to be finite after it.
+matrix (norms stay put up to rounding) and the bias is small; x is refilled before a case's
+measurements and checked to be finite after them.
 
     python benchmarks/bench_square_matmul.py              # the full grid, CUDA
     python benchmarks/bench_square_matmul.py --quick      # a smoke subset
@@ -46,7 +46,7 @@ from benchmarks.common import (  # noqa: E402
     peak_extra_bytes,
     plot_grid,
     results_dir,
-    time_in_turns,
+    time_alternating,
     write_results,
 )
 
@@ -72,7 +72,7 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
     w = w32.to(dtype)
     wv = w.t() if transpose else w
     b = (BIAS_SCALE * torch.randn(n, device=device)).to(dtype) if bias else None
-    x = torch.empty(m, n, dtype=dtype, device=device)
+    x = torch.randn(m, n, device=device).to(dtype)
     flops = 2 * m * n * n
     base = {"bench": "square_matmul", "op": "square_matmul_", "dtype": str(dtype).removeprefix(
         "torch."), "M": m, "N": n, "transpose": transpose, "bias": bias, **env_info()}
@@ -92,7 +92,6 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
             continue
         fn = functools.partial(mti.square_matmul_, x, w, b, transpose=transpose,
                                workspace_bytes=ws)
-        x.normal_()
         try:
             fn()
         except RuntimeError as e:  # zero_workspace beyond its largest K: recorded, not fatal
@@ -112,27 +111,19 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
     if m <= SMALL_M:
         fns["torch.matmul", "matmul+copy_"] = lambda: x.copy_(out_of_place())
 
-    # Each of our measurements starts from fresh x and must leave it finite.
+    # W is orthogonal: the calls of every mode keep x's scale.
     keys = list(fns)
-    finite = {key: True for key in keys if key[0] == "make_torch_inplace"}
-
-    def refill(i: int) -> None:
-        x.normal_()
-
-    def check(i: int) -> None:
-        if keys[i] in finite:
-            finite[keys[i]] &= bool(torch.isfinite(x).all())
-
-    times = time_in_turns(list(fns.values()), args.rounds, warmup_ms=args.warmup_ms,
-                          rep_ms=args.rep_ms, device=device, before=refill, after=check)
+    times = time_alternating(list(fns.values()), warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                             device=device)
+    finite = bool(torch.isfinite(x).all())
     for key, ts in zip(keys, times):
         impl, mode = key
         peak = peak_extra_bytes(fns[key], device=device)
-        extra = {"finite": finite[key]} if key in finite else {}
-        rec = add(impl, mode, statistics.median(ts), peak, ms_rounds=ts, **extra)
+        rec = add(impl, mode, statistics.median(ts), peak, calls=len(ts), finite=finite)
         label = mode if impl == "make_torch_inplace" else f"torch {mode}"
-        line.append(f"{label} {rec['tflops']:.3g}" + ("" if finite.get(key, True)
-                                                       else " (x not finite!)"))
+        line.append(f"{label} {rec['tflops']:.3g}")
+    if not finite:
+        line.append("(x not finite!)")
     print(f"{base['dtype']:8s} M={m:<6d} N={n:<5d} T={int(transpose)} bias={int(bias)} TFLOP/s: "
           + ", ".join(line), flush=True)
 
@@ -214,10 +205,8 @@ def parse_args(argv):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu only checks the code paths; its numbers mean little")
     parser.add_argument("--warmup-ms", type=float, default=10.0)
-    parser.add_argument("--rep-ms", type=float, default=60.0,
-                        help="timed calls per case and implementation, split over the rounds")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds in which the implementations take turns (median of them)")
+    parser.add_argument("--rep-ms", type=float, default=100.0,
+                        help="timed calls per case and implementation (at least 7)")
     args = parser.parse_args(argv)
     args.dtypes = args.dtypes or (QUICK["dtypes"] if args.quick else ALL_DTYPES)
     args.ms = args.ms or (QUICK["ms"] if args.quick else ALL_M)

@@ -119,33 +119,67 @@ def time_ms(
     return _perf_counter_ms(fn, warmup_ms, rep_ms)
 
 
-def time_in_turns(
+def time_alternating(
     fns: Sequence[Callable[[], object]],
-    rounds: int,
     *,
-    warmup_ms: float,
-    rep_ms: float,
+    warmup_ms: float = DEFAULT_WARMUP_MS,
+    rep_ms: float = DEFAULT_REP_MS,
     device: torch.device | str | None = None,
-    before: Callable[[int], None] | None = None,
-    after: Callable[[int], None] | None = None,
+    min_calls: int = 7,
 ) -> list[list[float]]:
-    """time_ms of each fn in `rounds` rounds, the fns taking turns within each round, each
-    measurement rep_ms / rounds long; returns each fn's list of round medians.
+    """Milliseconds of each timed call of each fn, the fns called in turn (a, b, a, b, ...),
+    about rep_ms of calls (at least min_calls) of each after about warmup_ms of each.
 
-    Taking turns exposes every fn to the same drift of the machine (clocks under a power cap,
-    the host's speed), which a measurement of one fn after another would attribute to
-    whichever fn it hit. before(i) / after(i) run around fn i's measurement, untimed.
+    Each call is timed as time_ms times it (CUDA: events around it, L2 flushed before it; CPU:
+    perf_counter). Calls side by side see the same state of the machine: an H100 under its
+    power cap changes its clocks by 10-15% over tens of milliseconds, for every kernel alike,
+    and the host's speed drifts too; timed one after the other, each fn would get whichever
+    state its turn met (H100, bf16 square_matmul_ against torch.matmul at M = 16384,
+    N = 4096: 60 calls of each in blocks read 0.70-0.79 ms for either, by block).
     """
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            if before is not None:
-                before(i)
-            times[i].append(time_ms(fn, warmup_ms=warmup_ms, rep_ms=rep_ms / rounds,
-                                    device=device))
-            if after is not None:
-                after(i)
-    return times
+    device = torch.device(device) if device is not None else best_device()
+    cuda = device.type == "cuda"
+    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.int8, device=device) if cuda else None
+
+    def timed(fn) -> Callable[[], float]:
+        """Starts one timed call of fn; returns how to read its time once all are done."""
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+            return lambda: ms
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        return lambda: start.elapsed_time(end)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def round_ms() -> float:
+        """The time of one call of every fn, with its flush."""
+        t0 = time.perf_counter()
+        for fn in fns:
+            if cuda:
+                flush.zero_()
+            fn()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    round_ms()  # the first calls may compile or allocate: no estimate from them
+    estimate = statistics.median(round_ms() for _ in range(3)) / len(fns)
+    for _ in range(_repeats(estimate, warmup_ms)):
+        round_ms()
+    calls = max(min_calls, _repeats(estimate, rep_ms))
+    reads = [[] for _ in fns]
+    for _ in range(calls):
+        for fn, rs in zip(fns, reads):
+            rs.append(timed(fn))
+    sync()
+    return [[r() for r in rs] for rs in reads]
 
 
 def _repeats(estimate_ms: float, budget_ms: float) -> int:
