@@ -112,13 +112,11 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
         fns["torch.matmul", "matmul+copy_"] = lambda: x.copy_(out_of_place())
 
     # W is orthogonal: the calls of every mode keep x's scale.
-    keys = list(fns)
     times = time_alternating(list(fns.values()), warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                              device=device)
     finite = bool(torch.isfinite(x).all())
-    for key, ts in zip(keys, times):
-        impl, mode = key
-        peak = peak_extra_bytes(fns[key], device=device)
+    for ((impl, mode), fn), ts in zip(fns.items(), times):
+        peak = peak_extra_bytes(fn, device=device)
         rec = add(impl, mode, statistics.median(ts), peak, calls=len(ts), finite=finite)
         label = mode if impl == "make_torch_inplace" else f"torch {mode}"
         line.append(f"{label} {rec['tflops']:.3g}")
