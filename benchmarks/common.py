@@ -127,15 +127,19 @@ def time_alternating(
     device: torch.device | str | None = None,
     min_calls: int = 7,
 ) -> list[list[float]]:
-    """Milliseconds of each timed call of each fn, the fns called in turn (a, b, a, b, ...),
-    about rep_ms of calls (at least min_calls) of each after about warmup_ms of each.
+    """Milliseconds of each timed call of each fn, the fns called in turn, each turn starting
+    one fn later (a, b, c, b, c, a, c, a, b, ...), about rep_ms of calls (at least min_calls)
+    of each after about warmup_ms of each.
 
     Each call is timed as time_ms times it (CUDA: events around it, L2 flushed before it; CPU:
     perf_counter). Calls side by side see the same state of the machine: an H100 under its
     power cap changes its clocks by 10-15% over tens of milliseconds, for every kernel alike,
     and the host's speed drifts too; timed one after the other, each fn would get whichever
     state its turn met (H100, bf16 square_matmul_ against torch.matmul at M = 16384,
-    N = 4096: 60 calls of each in blocks read 0.70-0.79 ms for either, by block).
+    N = 4096: 60 calls of each in blocks read 0.70-0.79 ms for either, by block). The place in
+    the turn shifts because it weighs on a call's time by itself (H100: the same GEMM and copy
+    of one row, N = 2048, bf16, read 13.4 us first in a turn of three, 14.6 second, 12.7
+    third).
     """
     device = torch.device(device) if device is not None else best_device()
     cuda = device.type == "cuda"
@@ -173,11 +177,13 @@ def time_alternating(
     estimate = statistics.median(round_ms() for _ in range(3)) / len(fns)
     for _ in range(_repeats(estimate, warmup_ms)):
         round_ms()
-    calls = max(min_calls, _repeats(estimate, rep_ms))
+    # Whole turns of the rotation below, so that each fn is timed as often in every place.
+    calls = -(-max(min_calls, _repeats(estimate, rep_ms)) // len(fns)) * len(fns)
     reads = [[] for _ in fns]
-    for _ in range(calls):
-        for fn, rs in zip(fns, reads):
-            rs.append(timed(fn))
+    for turn in range(calls):
+        for i in range(len(fns)):
+            j = (turn + i) % len(fns)
+            reads[j].append(timed(fns[j]))
     sync()
     return [[r() for r in rs] for rs in reads]
 
