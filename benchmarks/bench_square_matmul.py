@@ -7,9 +7,11 @@ needs no memory at all).
 torch.matmul is out of place ("out_of_place"; with a bias it is torch.addmm, as in F.linear);
 for M <= 64 also "matmul+copy_", which writes the result back over x as our default mode does.
 The implementations of a case take turns call by call (common.time_alternating), so that the
-H100's clocks, which drift under its power cap, weigh on all of them alike; ms is the median
-over the calls. TFLOP/s = 2 M N^2 / ms. peak_extra_bytes: the caching allocator's peak above what
-was allocated before the call (the output for torch.matmul, the workspace for ours).
+H100's clocks, which drift under its power cap, weigh on all of them alike, and each takes every
+place in a turn equally often; ms is the mean over the places of the median of its calls at
+each (common.place_median), over at least MIN_TURNS turns. TFLOP/s = 2 M N^2 / ms.
+peak_extra_bytes: the caching allocator's peak above what was allocated before the call (the
+output for torch.matmul, the workspace for ours).
 
 An in-place op timed repeatedly multiplies x by W again and again, so W is a random orthogonal
 matrix (norms stay put up to rounding) and the bias is small; x is refilled before a case's
@@ -28,7 +30,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     fmt_bytes,
     markdown_table,
     peak_extra_bytes,
+    place_median,
     plot_grid,
     results_dir,
     time_alternating,
@@ -56,6 +58,9 @@ ALL_N = [1024, 2048, 4096, 8192]
 QUICK = {"dtypes": ["bfloat16"], "ms": [16, 4096], "ns": [1024, 4096], "transpose": [False, True],
          "bias": [True]}
 OUR_MODES = {"default": 64 << 20, "zero_workspace": 0}
+# The longest cases (M = 65536, N = 8192: 12 ms a call) fit only a few turns in the default
+# 100 ms; at least this many give each place's median 8 calls.
+MIN_TURNS = 24
 SMALL_M = 64  # up to here torch.matmul + copy_ is measured too
 BIAS_SCALE = 0.01
 
@@ -113,11 +118,11 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
 
     # W is orthogonal: the calls of every mode keep x's scale.
     times = time_alternating(list(fns.values()), warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                             device=device)
+                             device=device, min_turns=MIN_TURNS)
     finite = bool(torch.isfinite(x).all())
     for ((impl, mode), fn), ts in zip(fns.items(), times):
         peak = peak_extra_bytes(fn, device=device)
-        rec = add(impl, mode, statistics.median(ts), peak, calls=len(ts), finite=finite)
+        rec = add(impl, mode, place_median(ts), peak, calls=sum(map(len, ts)), finite=finite)
         label = mode if impl == "make_torch_inplace" else f"torch {mode}"
         line.append(f"{label} {rec['tflops']:.3g}")
     if not finite:

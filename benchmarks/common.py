@@ -125,21 +125,22 @@ def time_alternating(
     warmup_ms: float = DEFAULT_WARMUP_MS,
     rep_ms: float = DEFAULT_REP_MS,
     device: torch.device | str | None = None,
-    min_calls: int = 7,
-) -> list[list[float]]:
-    """Milliseconds of each timed call of each fn, the fns called in turn, each turn starting
-    one fn later (a, b, c, b, c, a, c, a, b, ...), about rep_ms of calls (at least min_calls)
-    of each after about warmup_ms of each.
+    min_turns: int = 8,
+) -> list[list[list[float]]]:
+    """Milliseconds of each timed call of each fn, by the call's place in its turn: result[i][p]
+    holds fns[i]'s calls made p-th in a turn. The fns are called in turns, each turn one fn
+    later than the last (a, b, c / b, c, a / c, a, b / ...), about rep_ms of turns (at least
+    min_turns, whole rounds of places) after about warmup_ms of them; see place_median.
 
     Each call is timed as time_ms times it (CUDA: events around it, L2 flushed before it; CPU:
     perf_counter). Calls side by side see the same state of the machine: an H100 under its
     power cap changes its clocks by 10-15% over tens of milliseconds, for every kernel alike,
     and the host's speed drifts too; timed one after the other, each fn would get whichever
     state its turn met (H100, bf16 square_matmul_ against torch.matmul at M = 16384,
-    N = 4096: 60 calls of each in blocks read 0.70-0.79 ms for either, by block). The place in
-    the turn shifts because it weighs on a call's time by itself (H100: the same GEMM and copy
-    of one row, N = 2048, bf16, read 13.4 us first in a turn of three, 14.6 second, 12.7
-    third).
+    N = 4096: 60 calls of each in blocks read 0.70-0.79 ms for either, by block). Every fn
+    takes every place equally often because the place weighs on a call's time by itself
+    (H100: the same GEMM and copy of one row, N = 2048, bf16, read 13.4 us first in a turn of
+    three, 14.6 second, 12.7 third, the same in every repetition).
     """
     device = torch.device(device) if device is not None else best_device()
     cuda = device.type == "cuda"
@@ -174,18 +175,23 @@ def time_alternating(
         return (time.perf_counter() - t0) * 1e3
 
     round_ms()  # the first calls may compile or allocate: no estimate from them
-    estimate = statistics.median(round_ms() for _ in range(3)) / len(fns)
+    estimate = statistics.median(round_ms() for _ in range(3))
     for _ in range(_repeats(estimate, warmup_ms)):
         round_ms()
-    # Whole turns of the rotation below, so that each fn is timed as often in every place.
-    calls = -(-max(min_calls, _repeats(estimate, rep_ms)) // len(fns)) * len(fns)
-    reads = [[] for _ in fns]
-    for turn in range(calls):
-        for i in range(len(fns)):
-            j = (turn + i) % len(fns)
-            reads[j].append(timed(fns[j]))
+    n = len(fns)
+    turns = -(-max(min_turns, _repeats(estimate, rep_ms)) // n) * n
+    reads = [[[] for _ in range(n)] for _ in fns]
+    for turn in range(turns):
+        for place in range(n):
+            i = (turn + place) % n
+            reads[i][place].append(timed(fns[i]))
     sync()
-    return [[r() for r in rs] for rs in reads]
+    return [[[r() for r in at] for at in by_place] for by_place in reads]
+
+
+def place_median(by_place: Sequence[Sequence[float]]) -> float:
+    """One fn's time from time_alternating: the mean over places of its median at each place."""
+    return statistics.fmean(statistics.median(at) for at in by_place)
 
 
 def _repeats(estimate_ms: float, budget_ms: float) -> int:
