@@ -129,8 +129,9 @@ def time_alternating(
 ) -> list[list[list[float]]]:
     """Milliseconds of each timed call of each fn, by the call's place in its turn: result[i][p]
     holds fns[i]'s calls made p-th in a turn. The fns are called in turns, each turn one fn
-    later than the last (a, b, c / b, c, a / c, a, b / ...), about rep_ms of turns (at least
-    min_turns, whole rounds of places) after about warmup_ms of them; see place_median.
+    later than the last (a, b, c / b, c, a / c, a, b / ...), about rep_ms of calls of each (at
+    least min_turns turns, whole rounds of places) after about warmup_ms of turns; see
+    place_median.
 
     Each call is timed as time_ms times it (CUDA: events around it, L2 flushed before it; CPU:
     perf_counter). Calls side by side see the same state of the machine: an H100 under its
@@ -179,7 +180,7 @@ def time_alternating(
     for _ in range(_repeats(estimate, warmup_ms)):
         round_ms()
     n = len(fns)
-    turns = -(-max(min_turns, _repeats(estimate, rep_ms)) // n) * n
+    turns = -(-max(min_turns, _repeats(estimate / n, rep_ms)) // n) * n
     reads = [[[] for _ in range(n)] for _ in fns]
     for turn in range(turns):
         for place in range(n):
