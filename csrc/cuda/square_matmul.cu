@@ -159,7 +159,7 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
     // The counters come from the caching allocator like any workspace, so they count
     // against the limit (and a workspace of 0 keeps the zero-workspace kernel).
     if (counters > 0 && counters * static_cast<int64_t>(sizeof(int)) <= budget) {
-      at::Tensor counter_ints;  // the kernel zeroes them
+      at::Tensor counter_ints;  // square_matmul_handshake zeroes them
       try {
         counter_ints = at::empty({counters}, x.options().dtype(at::kInt));
       } catch (const c10::OutOfMemoryError&) {

@@ -963,7 +963,8 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
 // the other half.) A tile is the warpgroup kernel's (TMA-fed m64n256k16 MMAs of two consumer
 // warpgroups, a producer warp kStages steps ahead, going on into the next tile). When a
 // tile's MMAs are done, every x element of the row block that the tile reads has been read:
-// the CTA adds one to the row block's counter (release, GPU scope). It then rounds the
+// the CTA adds one to the row block's counter (release, GPU scope; the launcher zeroes the
+// counters on the stream before the kernel). It then rounds the
 // accumulators (plus bias) into registers and starts the next tile's MMAs. Between the next
 // tile's first K steps, while their MMAs run, it stages the held tile in shared memory in
 // kOutParts parts (see HandshakeTile), the first once the counter has reached T (acquire): no
@@ -1034,15 +1035,9 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
     }
   };
 
-  // This launch's counters start at zero: each CTA zeroes some before a grid barrier, which
-  // every CTA passes before it adds to any. (The caller's fill kernel before each launch cost
-  // more: H100, bf16, K = 1024, M = 4096, 23.3-23.5 us per call with it, 22.6-22.7 with the
-  // zeroing here, 22.3-22.9 with the barrier's wait put off until the first add.) The first
-  // stages' loads are on their way meanwhile.
+  // The row blocks' counters start at zero: square_matmul_handshake clears them on the stream
+  // before the launch.
   int* const block_counters = counters + a.first_block;
-  for (int64_t b = blockIdx.x * static_cast<int64_t>(Tile::THREADS) + tid; b < row_blocks;
-       b += static_cast<int64_t>(gridDim.x) * Tile::THREADS)
-    block_counters[b] = 0;
   // The CTA's bias columns (zeros without a bias or past K), read once: every round's tiles
   // have the same columns, and the epilogue then waits on no global load.
   for (int j = tid; j < BN; j += Tile::THREADS)
@@ -1054,7 +1049,7 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   if constexpr (C > 1) cluster_sync();
   if (tid == 0)
     while (t_next < std::min(steps, S)) load_next();  // every stage is free
-  cg::this_grid().sync();  // also the CTA barrier after the stage barriers' initialisation
+  __syncthreads();  // the stage barriers are initialised, the bias columns in
 
   const int wg = tid / 128;
   if (wg == 0) {
@@ -1988,6 +1983,12 @@ cudaError_t square_matmul_handshake(T* x, const RowLayout& layout, const T* w, c
   } else {
     // make_args's mma only sets the staging kernels' row pitch, which this kernel ignores.
     const Args<T> a = make_args(x, layout, w, bias, /*mma=*/true);
+    // Zeroed here rather than by the kernel's CTAs before a grid barrier: H100, bf16, per-call
+    // times in turns with torch.matmul, the grid barrier cost more than this memset, e.g.
+    // K = 1024, M = 4096: 21.9 us against 21.4; K = 4096, M = 1024: 52.9 against 51.7.
+    const cudaError_t err = cudaMemsetAsync(
+        counters, 0, ceil_div(layout.rows, int64_t{kHandshakeBM}) * sizeof(int), stream);
+    if (err != cudaSuccess) return err;
     return with_handshake_tile(a.k, [&](auto tile) {
       using Tile = decltype(tile);
       return transpose ? launch_handshake<T, true, Tile>(a, counters, stream)

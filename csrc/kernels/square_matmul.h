@@ -42,8 +42,8 @@ int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, co
                                          bool transpose);
 
 // x <- x @ W (or x @ W^T) + bias by that kernel, arguments as square_matmul_zero_ws's;
-// counters: square_matmul_handshake_counters's number of ints, of any contents (the kernel
-// zeroes them itself).
+// counters: square_matmul_handshake_counters's number of ints, of any contents (zeroed on
+// `stream` before the kernel runs).
 template <typename T>
 cudaError_t square_matmul_handshake(T* x, const RowLayout& layout, const T* w, const T* bias,
                                    bool transpose, int* counters, cudaStream_t stream);
