@@ -121,8 +121,9 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
     # turns moves a call's time too (H100, one row, N = 2048, bf16: ours 12.0 us and
     # matmul + copy_ 13.4 in turns of the two, 13.1 and 12.2 in turns of four with the
     # zero-workspace mode and torch.matmul; the same cuBLAS kernel and copy in both). A
-    # baseline no mode was paired with takes turns with torch.matmul. W is orthogonal: the
-    # calls of every mode keep x's scale.
+    # baseline no mode was paired with takes turns with torch.matmul (torch.matmul itself,
+    # when no mode runs, is timed alone). W is orthogonal: the calls of every mode keep x's
+    # scale.
     oop = ("torch.matmul", "out_of_place")
     goal = ("torch.matmul", "matmul+copy_") if m <= SMALL_M else oop
     times: dict[tuple[str, str], list[list[float]]] = {}

@@ -171,7 +171,8 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
           plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose,
           counter_ints.data_ptr<int>(), stream);
       // Its grid must be resident at once; where fewer SMs are ours than the device has
-      // (MPS, green contexts), the launch is refused, nothing has run, and cuBLAS takes over.
+      // (MPS, green contexts), the launch is refused, nothing but the counters' memset has
+      // run, and cuBLAS takes over.
       if (err != cudaErrorCooperativeLaunchTooLarge) {
         C10_CUDA_CHECK(err);
         return;

@@ -964,8 +964,8 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
 // warpgroups, a producer warp kStages steps ahead, going on into the next tile). When a
 // tile's MMAs are done, every x element of the row block that the tile reads has been read:
 // the CTA adds one to the row block's counter (release, GPU scope; the launcher zeroes the
-// counters on the stream before the kernel). It then rounds the
-// accumulators (plus bias) into registers and starts the next tile's MMAs. Between the next
+// counters on the stream before the kernel). It then rounds the accumulators (plus bias)
+// into registers and starts the next tile's MMAs. Between the next
 // tile's first K steps, while their MMAs run, it stages the held tile in shared memory in
 // kOutParts parts (see HandshakeTile), the first once the counter has reached T (acquire): no
 // CTA reads the row block's x any more, so TMA stores write each part over x,
