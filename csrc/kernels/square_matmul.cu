@@ -963,9 +963,8 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
 // the other half.) A tile is the warpgroup kernel's (TMA-fed m64n256k16 MMAs of two consumer
 // warpgroups, a producer warp kStages steps ahead, going on into the next tile). When a
 // tile's MMAs are done, every x element of the row block that the tile reads has been read:
-// the CTA adds one to the row block's counter (release, GPU scope; the launcher zeroes the
-// counters on the stream before the kernel). It then rounds the accumulators (plus bias)
-// into registers and starts the next tile's MMAs. Between the next
+// the CTA adds one to the row block's counter (release, GPU scope). It then rounds the
+// accumulators (plus bias) into registers and starts the next tile's MMAs. Between the next
 // tile's first K steps, while their MMAs run, it stages the held tile in shared memory in
 // kOutParts parts (see HandshakeTile), the first once the counter has reached T (acquire): no
 // CTA reads the row block's x any more, so TMA stores write each part over x,
@@ -1833,10 +1832,13 @@ auto handshake_kernel_of() {
   return &handshake_kernel<T, TRANS, Tile>;
 }
 
-// A row block's output tiles (T in the kernel's comment); BN and BM are the same in every
-// cluster size.
+// A row block's output tiles (T in the kernel's comment); BN is the same in every cluster
+// size.
 inline int handshake_col_tiles(int k) { return ceil_div(k, HandshakeTileDeep::BN); }
-constexpr int kHandshakeBM = HandshakeTileDeep::BM;
+// Row blocks of `rows` rows, one counter each; BM is the same in every cluster size.
+inline int64_t handshake_row_blocks(int64_t rows) {
+  return ceil_div(rows, int64_t{HandshakeTileDeep::BM});
+}
 
 // The handshake kernel's grid (in CTAs) on the current device for K: as many clusters of
 // Tile::kWParts CTAs as are resident at once, rounded down to a multiple of the column tiles
@@ -1883,7 +1885,7 @@ bool handshake_applies(const Args<T>& a, const DeviceInfo& d) {
   if (!wgmma_applies(a, d) || !d.coop) return false;
   const int grid = with_handshake_tile(
       a.k, [&](auto tile) { return handshake_grid<T, TRANS, decltype(tile)>(a.k); });
-  return grid > 0 && 2 * ceil_div(a.rows, kHandshakeBM) * handshake_col_tiles(a.k) >= d.num_sms;
+  return grid > 0 && 2 * handshake_row_blocks(a.rows) * handshake_col_tiles(a.k) >= d.num_sms;
 }
 
 // Launches the handshake kernel (handshake_applies holds) in launches of at most INT_MAX / BM
@@ -1971,7 +1973,7 @@ int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, co
     const Args<T> a = make_args<T>(const_cast<T*>(x), layout, w, nullptr, /*mma=*/true);
     const bool applies = transpose ? handshake_applies<T, true>(a, d)
                                    : handshake_applies<T, false>(a, d);
-    return applies ? ceil_div(layout.rows, kHandshakeBM) : 0;
+    return applies ? handshake_row_blocks(layout.rows) : 0;
   }
 }
 
@@ -1986,8 +1988,8 @@ cudaError_t square_matmul_handshake(T* x, const RowLayout& layout, const T* w, c
     // Zeroed here rather than by the kernel's CTAs before a grid barrier: H100, bf16, per-call
     // times in turns with torch.matmul, the grid barrier cost more than this memset, e.g.
     // K = 1024, M = 4096: 21.9 us against 21.4; K = 4096, M = 1024: 52.9 against 51.7.
-    const cudaError_t err = cudaMemsetAsync(
-        counters, 0, ceil_div(layout.rows, int64_t{kHandshakeBM}) * sizeof(int), stream);
+    const cudaError_t err =
+        cudaMemsetAsync(counters, 0, handshake_row_blocks(layout.rows) * sizeof(int), stream);
     if (err != cudaSuccess) return err;
     return with_handshake_tile(a.k, [&](auto tile) {
       using Tile = decltype(tile);
