@@ -146,25 +146,79 @@ def test_default_handshake_shapes(dtype, m, k, layout):
                          with_bias=with_bias, layout=layout)
 
 
-# The handshake kernel zeroes its counters (an int per 128 rows, from the caching allocator)
-# itself. Here the allocator's free blocks of their size hold 2^30, at least any count the
-# kernel waits for: counters left so would let CTAs write their tiles over rows that others
-# still read (elsewhere these shapes run cuBLAS's path, and the garbage is never read).
-@requires_cuda
-@pytest.mark.parametrize("m,k", [(8209, 1032), (4100, 2568), (4100, 4104)], ids=str)
-def test_default_handshake_counters_start_from_garbage(m, k):
-    def op(x, weight, bias, *, transpose):
-        counters = -(-m // 128)
-        junk = [torch.full((counters,), 1 << 30, dtype=torch.int32, device="cuda")
-                for _ in range(16)]
-        del junk
-        return mti.square_matmul_(x, weight, bias, transpose=transpose)
+def _handshake_refs(x, weight, bias):
+    """The fp64 and PyTorch results of x @ W^T + b."""
+    ref64 = ref_square_matmul(x.double(), weight.double(), bias.double(), transpose=True)
+    return ref64, ref_square_matmul(x, weight, bias, transpose=True)
 
-    for transpose in (False, True):
-        x = randn((m, k), torch.bfloat16, "cuda", seed=m)
-        weight = randn((k, k), torch.bfloat16, "cuda", seed=m + 1, scale=k**-0.5)
-        bias = randn((k,), torch.bfloat16, "cuda", seed=m + 2)
-        check_op(op, ref_square_matmul, x, weight, bias, transpose=transpose)
+
+def _handshake_case(m, k, seed):
+    """x, weight, bias of a handshake shape (bf16), and _handshake_refs of them."""
+    x = randn((m, k), torch.bfloat16, "cuda", seed=seed)
+    weight = randn((k, k), torch.bfloat16, "cuda", seed=seed + 1, scale=k**-0.5)
+    bias = randn((k,), torch.bfloat16, "cuda", seed=seed + 2)
+    return (x, weight, bias, *_handshake_refs(x, weight, bias))
+
+
+# The handshake kernel leaves its counters (an int per 128 rows) at 0 when it ends, and each
+# stream keeps its own, zeroed only when they are allocated or grown. Counters left nonzero
+# would let CTAs write their tiles over rows that others still read, so every result is
+# checked: on one stream as M grows and shrinks (counters kept, grown, kept), on two streams
+# at once, and with no memory allocated by a repeated call. (Elsewhere these shapes run
+# cuBLAS's path.)
+@requires_cuda
+def test_default_handshake_counters_kept_per_stream():
+    k = 1032
+    for m in (8209, 4100, 20000, 8209, 20000):
+        x, weight, bias, _, _ = _handshake_case(m, k, m)
+        check_op(matmul_op("default"), ref_square_matmul, x, weight, bias, transpose=True)
+
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for round_ in range(2):  # the streams' counters allocated, then kept
+        cases = [_handshake_case(m, k, 10 * round_ + m) for m in (8209, 16500)]
+        torch.cuda.synchronize()
+        for stream, (x, weight, bias, _, _) in zip(streams, cases):
+            with torch.cuda.stream(stream):
+                mti.square_matmul_(x, weight, bias, transpose=True)
+        torch.cuda.synchronize()
+        for x, _, _, ref64, ref in cases:
+            assert_accurate(x, ref, ref64, "square_matmul_ on two streams at once")
+
+    x, weight, bias, _, _ = _handshake_case(8209, k, 3)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    mti.square_matmul_(x, weight, bias, transpose=True)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() == before
+
+
+# Captured into a CUDA graph, the call takes counters from the graph's pool and zeroes them in
+# the graph: a block of that size freed in the capture just before, filled with 2^30 (at
+# least any count the kernel waits for), may be the one it gets. Replays with eager calls on
+# the same stream between them (the stream's kept counters) must all be right.
+@requires_cuda
+def test_default_handshake_in_cuda_graph():
+    m, k = 8209, 1032
+    x, weight, bias, _, _ = _handshake_case(m, k, 7)
+    static = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mti.square_matmul_(static, weight, bias, transpose=True)  # warm up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        junk = torch.full((-(-m // 128),), 1 << 30, dtype=torch.int32, device="cuda")
+        del junk
+        mti.square_matmul_(static, weight, bias, transpose=True)
+    for seed in (8, 9, 10):
+        fresh = randn((m, k), torch.bfloat16, "cuda", seed=seed)
+        ref64, ref = _handshake_refs(fresh, weight, bias)
+        static.copy_(fresh)
+        graph.replay()
+        assert_accurate(static, ref, ref64, "square_matmul_ replayed from a CUDA graph")
+        check_op(matmul_op("default"), ref_square_matmul, fresh, weight, bias, transpose=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
@@ -289,7 +343,7 @@ def test_side_stream_copies_land_before_the_caller_stream_goes_on():
      (16384, 1024, 3 << 20, torch.float32),  # two buffers of 1 MiB (+ the allocator's slack)
      (4096, 2048, (1 << 20) + 5, torch.float32),  # an odd budget: two buffers of 64 rows each
      (6144, 2048, None, torch.float32),  # 1.5 of the default's chunks: two of 3072 rows
-     (16384, 2048, None, torch.bfloat16),  # the handshake kernel on an H100: 512 bytes
+     (16384, 2048, None, torch.bfloat16),  # the handshake kernel on an H100: 512 bytes, kept
      (16384, 2048, 256, torch.bfloat16)],  # too little for its counters: no workspace
     ids=str)
 def test_peak_memory_within_the_workspace(rows, k, workspace_bytes, dtype):

@@ -2,7 +2,7 @@
 //
 // Default: on sm_90 (sm_90a builds), for fp16/bf16 with rows enough to fill half of the GPU,
 // the handshake kernel of kernels/square_matmul.cu, whose workspace is one int per 128
-// rows (H100, fp16/bf16, M >= 4096: 0.74-1.07x torch.matmul's speed at 269e76b, where cuBLAS
+// rows, kept for the stream (handshake_counters) (H100, fp16/bf16, M >= 4096: 0.74-1.07x torch.matmul's speed at 269e76b, where cuBLAS
 // plus the copy back below ran at 0.65-0.94x). Elsewhere cuBLAS through ATen, a chunk of
 // rows at a time into a workspace of at most workspace_bytes (less the CUDA allocator's
 // rounding), each chunk copied back over its rows on a side stream while the GEMM of the next
@@ -19,7 +19,10 @@
 
 #include <algorithm>
 #include <array>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <utility>
 
 #include "common/plans.h"
 #include "cuda/cuda_ops.h"
@@ -122,6 +125,37 @@ class SideStreamCopies final : public ChunkPipeline {
   std::array<c10::cuda::CUDAEvent, kBuffers> copied_;
 };
 
+// The handshake kernel's counters, kept for each stream that runs it: the kernel leaves every
+// counter it used at 0 again, and launches on one stream run one after another, so a stream's
+// counters are zeroed once (when allocated or grown) instead of by a memset before every launch,
+// which with its gap to the kernel cost about 3 us per call (H100, bf16, torch.profiler: 1 us of
+// memset and 1.5-2 us before the kernel, of 177 us at M = K = 4096). They come from the caching
+// allocator and stay allocated: 4 bytes per 128 rows of the most rows the stream has multiplied.
+// A stream being captured into a CUDA graph gets fresh counters instead (*zero false: to be
+// zeroed on the stream), which the graph then owns, since its replays may run on any stream; so
+// does any stream past the first kMaxStreams. Throws c10::OutOfMemoryError as at::empty does.
+at::Tensor handshake_counters(int64_t count, const c10::cuda::CUDAStream& stream,
+                              bool* zero) {
+  constexpr size_t kMaxStreams = 64;
+  const auto options = at::TensorOptions().dtype(at::kInt).device(stream.device());
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
+  *zero = false;
+  if (capture != cudaStreamCaptureStatusNone) return at::empty({count}, options);
+  static std::mutex mutex;
+  // Never destroyed: their memory is the allocator's until the process ends.
+  static auto* const kept = new std::map<std::pair<c10::DeviceIndex, c10::StreamId>, at::Tensor>;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(stream.device_index(), stream.id());
+  const auto it = kept->find(key);
+  if (it == kept->end() && kept->size() >= kMaxStreams) return at::empty({count}, options);
+  *zero = true;
+  if (it != kept->end() && it->second.numel() >= count) return it->second;
+  // On `stream` (the current one), like the kernel; the counters it replaces may still be in
+  // use by a launch queued there, which the allocator's stream order keeps safe.
+  return (*kept)[key] = at::zeros({count}, options);
+}
+
 // x <- x @ Wv (+ bias) by the zero-workspace kernel. Raises before writing anything when K
 // is beyond the kernel's shared memory; `why` says why no workspace is used.
 template <typename scalar_t>
@@ -157,11 +191,12 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
     const int64_t counters = square_matmul_handshake_counters<T>(
         device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight), plan.transpose);
     // The counters come from the caching allocator like any workspace, so they count
-    // against the limit (and a workspace of 0 keeps the zero-workspace kernel).
+    // against the limit (and a workspace of 0 keeps the zero-workspace kernel), kept or not.
     if (counters > 0 && counters * static_cast<int64_t>(sizeof(int)) <= budget) {
-      at::Tensor counter_ints;  // square_matmul_handshake zeroes them
+      at::Tensor counter_ints;
+      bool zero = false;
       try {
-        counter_ints = at::empty({counters}, x.options().dtype(at::kInt));
+        counter_ints = handshake_counters(counters, at::cuda::getCurrentCUDAStream(), &zero);
       } catch (const c10::OutOfMemoryError&) {
         run_zero_workspace<scalar_t>(x, plan, stream, "the workspace could not be allocated");
         return;
@@ -169,10 +204,10 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
       const cudaError_t err = square_matmul_handshake<T>(
           device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
           plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose,
-          counter_ints.data_ptr<int>(), stream);
+          counter_ints.data_ptr<int>(), zero, stream);
       // Its grid must be resident at once; where fewer SMs are ours than the device has
-      // (MPS, green contexts), the launch is refused, nothing but the counters' memset has
-      // run, and cuBLAS takes over.
+      // (MPS, green contexts), the launch is refused, nothing but the counters' zeroing has
+      // run (they stay 0), and cuBLAS takes over.
       if (err != cudaErrorCooperativeLaunchTooLarge) {
         C10_CUDA_CHECK(err);
         return;

@@ -1034,8 +1034,7 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
     }
   };
 
-  // The row blocks' counters start at zero: square_matmul_handshake clears them on the stream
-  // before the launch.
+  // The row blocks' counters start at zero, and the tiles leave them so (store_held_part).
   int* const block_counters = counters + a.first_block;
   // The CTA's bias columns (zeros without a bias or past K), read once: every round's tiles
   // have the same columns, and the epilogue then waits on no global load.
@@ -1104,8 +1103,12 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
     fence_proxy_async_shared();
     named_barrier(1, 128 * Tile::kConsumers);
     if (leader) {
-      if (part == 0)
+      if (part == 0) {
         while (ld_acquire_gpu(held_counter) < col_tiles) __nanosleep(32);
+        // A second add per tile, past the wait: the last one resets the counter, which no
+        // tile reads any more, so that every counter is zero again when the kernel ends.
+        if (atomicAdd(held_counter, 1) == 2 * col_tiles - 1) atomicExch(held_counter, 0);
+      }
       fence_proxy_async_global();
       for (int box = 0; box < Tile::kOutBoxes; ++box) {
         const int col = j0 + (part * Tile::kOutBoxes + box) * BK;
@@ -1979,18 +1982,21 @@ int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, co
 
 template <typename T>
 cudaError_t square_matmul_handshake(T* x, const RowLayout& layout, const T* w, const T* bias,
-                                   bool transpose, int* counters, cudaStream_t stream) {
+                                   bool transpose, int* counters, bool counters_zero,
+                                   cudaStream_t stream) {
   if constexpr (sizeof(T) != 2) {
     return cudaErrorInvalidValue;
   } else {
     // make_args's mma only sets the staging kernels' row pitch, which this kernel ignores.
     const Args<T> a = make_args(x, layout, w, bias, /*mma=*/true);
-    // Zeroed here rather than by the kernel's CTAs before a grid barrier: H100, bf16, per-call
-    // times in turns with torch.matmul, the grid barrier cost more than this memset, e.g.
-    // K = 1024, M = 4096: 21.9 us against 21.4; K = 4096, M = 1024: 52.9 against 51.7.
-    const cudaError_t err =
-        cudaMemsetAsync(counters, 0, handshake_row_blocks(layout.rows) * sizeof(int), stream);
-    if (err != cudaSuccess) return err;
+    // Zeroed on the stream rather than by the kernel's CTAs before a grid barrier: H100, bf16,
+    // per-call times in turns with torch.matmul, the grid barrier cost more than this memset,
+    // e.g. K = 1024, M = 4096: 21.9 us against 21.4; K = 4096, M = 1024: 52.9 against 51.7.
+    if (!counters_zero) {
+      const cudaError_t err =
+          cudaMemsetAsync(counters, 0, handshake_row_blocks(layout.rows) * sizeof(int), stream);
+      if (err != cudaSuccess) return err;
+    }
     return with_handshake_tile(a.k, [&](auto tile) {
       using Tile = decltype(tile);
       return transpose ? launch_handshake<T, true, Tile>(a, counters, stream)
@@ -2015,7 +2021,7 @@ template cudaError_t square_matmul_zero_ws_max_k<__nv_bfloat16>(int64_t*);
   template int64_t square_matmul_handshake_counters<T>(const T*, const RowLayout&, const T*, \
                                                        bool);                                \
   template cudaError_t square_matmul_handshake<T>(T*, const RowLayout&, const T*, const T*, \
-                                                  bool, int*, cudaStream_t);
+                                                  bool, int*, bool, cudaStream_t);
 MTI_INSTANTIATE_HANDSHAKE(float)
 MTI_INSTANTIATE_HANDSHAKE(__half)
 MTI_INSTANTIATE_HANDSHAKE(__nv_bfloat16)

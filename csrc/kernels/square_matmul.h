@@ -42,10 +42,12 @@ int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, co
                                          bool transpose);
 
 // x <- x @ W (or x @ W^T) + bias by that kernel, arguments as square_matmul_zero_ws's;
-// counters: square_matmul_handshake_counters's number of ints, of any contents (zeroed on
-// `stream` before the kernel runs).
+// counters: square_matmul_handshake_counters's number of ints. counters_zero: they are all 0
+// when the kernel starts (else they are zeroed on `stream` first). The kernel leaves them all
+// 0 when it completes, so that counters kept for a stream need zeroing only once.
 template <typename T>
 cudaError_t square_matmul_handshake(T* x, const RowLayout& layout, const T* w, const T* bias,
-                                   bool transpose, int* counters, cudaStream_t stream);
+                                   bool transpose, int* counters, bool counters_zero,
+                                   cudaStream_t stream);
 
 }  // namespace mti
