@@ -2,11 +2,11 @@
 //
 // Default: on sm_90 (sm_90a builds), for fp16/bf16 with rows enough to fill half of the GPU,
 // the handshake kernel of kernels/square_matmul.cu, whose workspace is one int per 128
-// rows, kept for the stream (handshake_counters) (H100, fp16/bf16, M >= 4096: 0.74-1.07x torch.matmul's speed at 269e76b, where cuBLAS
-// plus the copy back below ran at 0.65-0.94x). Elsewhere cuBLAS through ATen, a chunk of
-// rows at a time into a workspace of at most workspace_bytes (less the CUDA allocator's
-// rounding), each chunk copied back over its rows on a side stream while the GEMM of the next
-// chunk runs. With no room for one row, room for chunks of too few rows
+// rows, kept for the stream (handshake_counters) (H100, fp16/bf16, M >= 4096: 0.74-1.07x
+// torch.matmul's speed at 269e76b, where cuBLAS plus the copy back below ran at
+// 0.65-0.94x). Elsewhere cuBLAS through ATen, a chunk of rows at a time into a workspace of
+// at most workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over
+// its rows on a side stream while the GEMM of the next chunk runs. With no room for one row, room for chunks of too few rows
 // (chunks_lose_accuracy) or no workspace to be had, the zero-workspace kernel of
 // kernels/square_matmul.cu.
 #include <ATen/ATen.h>
@@ -131,10 +131,10 @@ class SideStreamCopies final : public ChunkPipeline {
 // which cost 1.0-1.6 us per call (H100, bf16, one build, in turns with torch.matmul: M = 4096,
 // K = 1024 21.2 -> 20.1 us, K = 4096 192.1 -> 191.1; M = 1024, K = 4096 51.8 -> 50.8). They
 // come from the caching allocator and stay allocated: 4 bytes per 128 rows of the most rows
-// the stream has multiplied.
-// A stream being captured into a CUDA graph gets fresh counters instead (*zero false: to be
-// zeroed on the stream), which the graph then owns, since its replays may run on any stream; so
-// does any stream past the first kMaxStreams. Throws c10::OutOfMemoryError as at::empty does.
+// the stream has multiplied. A stream being captured into a CUDA graph gets fresh counters
+// instead (*zero false: to be zeroed on the stream), which the graph then owns, since its
+// replays may run on any stream; so does any stream past the first kMaxStreams. Throws
+// c10::OutOfMemoryError as at::empty does.
 at::Tensor handshake_counters(int64_t count, const c10::cuda::CUDAStream& stream,
                               bool* zero) {
   constexpr size_t kMaxStreams = 64;
