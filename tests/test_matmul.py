@@ -152,30 +152,32 @@ def _handshake_refs(x, weight, bias):
     return ref64, ref_square_matmul(x, weight, bias, transpose=True)
 
 
-def _handshake_case(m, k, seed):
-    """x, weight, bias of a handshake shape (bf16), and _handshake_refs of them."""
+def _handshake_inputs(m, k, seed):
+    """x, weight, bias of a handshake shape (bf16)."""
     x = randn((m, k), torch.bfloat16, "cuda", seed=seed)
     weight = randn((k, k), torch.bfloat16, "cuda", seed=seed + 1, scale=k**-0.5)
     bias = randn((k,), torch.bfloat16, "cuda", seed=seed + 2)
-    return (x, weight, bias, *_handshake_refs(x, weight, bias))
+    return x, weight, bias
 
 
 # The handshake kernel leaves its counters (an int per 128 rows) at 0 when it ends, and each
 # stream keeps its own, zeroed only when they are allocated or grown. Counters left nonzero
 # would let CTAs write their tiles over rows that others still read, so every result is
-# checked: on one stream as M grows and shrinks (counters kept, grown, kept), on two streams
-# at once, and with no memory allocated by a repeated call. (Elsewhere these shapes run
-# cuBLAS's path.)
+# checked: on one stream as M grows and shrinks (counters kept, grown, kept; from K = 4096 in
+# clusters of two, whose last CTA has no rows at M = 4100), on two streams at once, and with
+# no memory allocated by a repeated call. (Elsewhere these shapes run cuBLAS's path.)
 @requires_cuda
 def test_default_handshake_counters_kept_per_stream():
     k = 1032
-    for m in (8209, 4100, 20000, 8209, 20000):
-        x, weight, bias, _, _ = _handshake_case(m, k, m)
-        check_op(matmul_op("default"), ref_square_matmul, x, weight, bias, transpose=True)
+    for m, k_ in ((8209, k), (4100, k), (20000, k), (8209, k), (20000, k), (4100, 2568),
+                  (4100, 2568), (4100, 4104), (4100, 4104)):
+        check_op(matmul_op("default"), ref_square_matmul, *_handshake_inputs(m, k_, m + k_),
+                 transpose=True)
 
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for round_ in range(2):  # the streams' counters allocated, then kept
-        cases = [_handshake_case(m, k, 10 * round_ + m) for m in (8209, 16500)]
+        inputs = [_handshake_inputs(m, k, 10 * round_ + m) for m in (8209, 16500)]
+        cases = [(*xwb, *_handshake_refs(*xwb)) for xwb in inputs]
         torch.cuda.synchronize()
         for stream, (x, weight, bias, _, _) in zip(streams, cases):
             with torch.cuda.stream(stream):
@@ -184,7 +186,7 @@ def test_default_handshake_counters_kept_per_stream():
         for x, _, _, ref64, ref in cases:
             assert_accurate(x, ref, ref64, "square_matmul_ on two streams at once")
 
-    x, weight, bias, _, _ = _handshake_case(8209, k, 3)
+    x, weight, bias = _handshake_inputs(8209, k, 3)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -200,7 +202,7 @@ def test_default_handshake_counters_kept_per_stream():
 @requires_cuda
 def test_default_handshake_in_cuda_graph():
     m, k = 8209, 1032
-    x, weight, bias, _, _ = _handshake_case(m, k, 7)
+    x, weight, bias = _handshake_inputs(m, k, 7)
     static = x.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
