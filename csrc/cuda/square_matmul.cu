@@ -6,9 +6,9 @@
 // torch.matmul's speed at 269e76b, where cuBLAS plus the copy back below ran at
 // 0.65-0.94x). Elsewhere cuBLAS through ATen, a chunk of rows at a time into a workspace of
 // at most workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over
-// its rows on a side stream while the GEMM of the next chunk runs. With no room for one row, room for chunks of too few rows
-// (chunks_lose_accuracy) or no workspace to be had, the zero-workspace kernel of
-// kernels/square_matmul.cu.
+// its rows on a side stream while the GEMM of the next chunk runs. With no room for one row,
+// room for chunks of too few rows (chunks_lose_accuracy) or no workspace to be had, the
+// zero-workspace kernel of kernels/square_matmul.cu.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAEvent.h>
@@ -132,29 +132,30 @@ class SideStreamCopies final : public ChunkPipeline {
 // K = 1024 21.2 -> 20.1 us, K = 4096 192.1 -> 191.1; M = 1024, K = 4096 51.8 -> 50.8). They
 // come from the caching allocator and stay allocated: 4 bytes per 128 rows of the most rows
 // the stream has multiplied. A stream being captured into a CUDA graph gets fresh counters
-// instead (*zero false: to be zeroed on the stream), which the graph then owns, since its
-// replays may run on any stream; so does any stream past the first kMaxStreams. Throws
-// c10::OutOfMemoryError as at::empty does.
-at::Tensor handshake_counters(int64_t count, const c10::cuda::CUDAStream& stream,
-                              bool* zero) {
+// instead (not zero: square_matmul_handshake zeroes them on the stream), which the graph then
+// owns, since its replays may run on any stream; so does any stream past the first
+// kMaxStreams. Throws c10::OutOfMemoryError as at::empty does.
+struct HandshakeCounters {
+  at::Tensor ints;
+  bool zero;  // all 0 already (kept for the stream)
+};
+HandshakeCounters handshake_counters(int64_t count, const c10::cuda::CUDAStream& stream) {
   constexpr size_t kMaxStreams = 64;
   const auto options = at::TensorOptions().dtype(at::kInt).device(stream.device());
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
-  *zero = false;
-  if (capture != cudaStreamCaptureStatusNone) return at::empty({count}, options);
+  if (capture != cudaStreamCaptureStatusNone) return {at::empty({count}, options), false};
   static std::mutex mutex;
   // Never destroyed: their memory is the allocator's until the process ends.
   static auto* const kept = new std::map<std::pair<c10::DeviceIndex, c10::StreamId>, at::Tensor>;
   const std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_pair(stream.device_index(), stream.id());
   const auto it = kept->find(key);
-  if (it == kept->end() && kept->size() >= kMaxStreams) return at::empty({count}, options);
-  *zero = true;
-  if (it != kept->end() && it->second.numel() >= count) return it->second;
+  if (it == kept->end() && kept->size() >= kMaxStreams) return {at::empty({count}, options), false};
+  if (it != kept->end() && it->second.numel() >= count) return {it->second, true};
   // On `stream` (the current one), like the kernel; the counters it replaces may still be in
   // use by a launch queued there, which the allocator's stream order keeps safe.
-  return (*kept)[key] = at::zeros({count}, options);
+  return {(*kept)[key] = at::zeros({count}, options), true};
 }
 
 // x <- x @ Wv (+ bias) by the zero-workspace kernel. Raises before writing anything when K
@@ -183,7 +184,8 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   const MatmulPlan plan = plan_square_matmul(x, weight, bias, transpose, workspace_bytes);
   if (plan.x.rows == 0) return;  // also K == 0
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream current = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current;
   // The dispatch also refuses float64 (which the plan accepts for the CPU's gradcheck) on
   // every path, before anything is written.
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
@@ -194,10 +196,9 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
     // The counters come from the caching allocator like any workspace, so they count
     // against the limit (and a workspace of 0 keeps the zero-workspace kernel), kept or not.
     if (counters > 0 && counters * static_cast<int64_t>(sizeof(int)) <= budget) {
-      at::Tensor counter_ints;
-      bool zero = false;
+      HandshakeCounters counter_ints;
       try {
-        counter_ints = handshake_counters(counters, at::cuda::getCurrentCUDAStream(), &zero);
+        counter_ints = handshake_counters(counters, current);
       } catch (const c10::OutOfMemoryError&) {
         run_zero_workspace<scalar_t>(x, plan, stream, "the workspace could not be allocated");
         return;
@@ -205,7 +206,7 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
       const cudaError_t err = square_matmul_handshake<T>(
           device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
           plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose,
-          counter_ints.data_ptr<int>(), zero, stream);
+          counter_ints.ints.data_ptr<int>(), counter_ints.zero, stream);
       // Its grid must be resident at once; where fewer SMs are ours than the device has
       // (MPS, green contexts), the launch is refused, nothing but the counters' zeroing has
       // run (they stay 0), and cuBLAS takes over.
@@ -215,7 +216,7 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
       }
       (void)cudaGetLastError();
     }
-    SideStreamCopies pipeline(at::cuda::getCurrentCUDAStream());
+    SideStreamCopies pipeline(current);
     // The zero-workspace kernel measured 0.8x torch.matmul's fp32 error there (H100).
     if (chunks_lose_accuracy(x, plan, budget, pipeline)) {
       int64_t max_k = 0;
