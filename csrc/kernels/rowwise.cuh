@@ -253,7 +253,7 @@ struct ParamReader {
 // Starts copying `param` (or writes its value where absent) at this thread's first `count` vectors
 // that start before n into its slots: vector k to slots[k * stride]. Off the streaming path a
 // thread owns the same columns of every row it handles, so a cached param is read from global
-// memory once per kernel, not once per row: for a long row the params miss L1, and their loads held
+// memory once per CTA, not once per row: for a long row the params miss L1, and their loads held
 // up the stores of the write loop (H100: fp32 RMSNorm at N = 262144 ran at 0.70x of a copy with a
 // weight, 0.93x with it cached). cp.async, so that the copies run alongside the first row's loads
 // (one after another they held each CTA's start up), and through L1 (.ca), which the CTAs of an SM
@@ -724,27 +724,46 @@ int resident_units(int device, int threads, int cluster, int sm_count) {
   return units;
 }
 
-// Launches row_kernel. CTAs that set something up first (cached params, a cluster's
-// exchange) form a grid of at most as many CTAs (clusters) as can be resident at once, each
-// striding over the rows, so that the setup is paid once per CTA. The others get a CTA per
-// group of rows: the hardware then gives an SM a new CTA whenever one of its CTAs finishes,
-// where resident CTAs striding over the rows leave some SMs a row more than others at the end
-// (H100, 2^26 elements: fp32 softmax at N = 256-16384 went from 0.94 to 0.98-0.99x of a
-// copy's bandwidth, bf16 softmax and the norms' rows of up to a warp gained 1-5%; clusters
-// that do not stride lost up to 20%).
+// Row groups that each CTA (cluster) of launch_row_kernel's grid takes on, 0 for as many as
+// the CTAs that fit on the GPU at once leave to each (a grid of those, striding over the
+// rows). A CTA (cluster) per group or two lets the hardware start a new one on an SM whenever
+// one finishes, where resident ones striding over the rows leave some SMs a row more than
+// others at the end; but each CTA then pays its setup (cached params, a cluster's exchange).
+// H100, 2^26 elements, forward, ratio to a copy's bandwidth, striding -> the kept grid:
+//  - plain CTAs, a group each: fp32 softmax at N = 256-16384 0.94 -> 0.98-0.99, bf16 softmax
+//    and the norms' rows of up to a warp +1-5%.
+//  - a CTA that caches one param (as many vectors as it holds of the row), a row each:
+//    RMSNorm at N = 16384 0.937 / 0.949 -> 0.971 / 0.983 (fp32 / bf16; 0.951 / 0.961 with
+//    nothing cached), fp32 LayerNorm without bias 0.920 -> 0.960. fp32 LayerNorm with most of
+//    its bias cached too fell from 0.893 to 0.788 (0.873 at about two rows per CTA).
+//  - clusters of two without params, two rows each: fp32 softmax / log_softmax at N = 32768
+//    0.932 / 0.931 -> 0.953 / 0.952, stashed 16-bit ones at 65536 0.901 / 0.897 -> 0.929 /
+//    0.925 (bf16 softmax, fp16 log_softmax). A row each lost (0.922, 0.892), as did every
+//    grid tried for clusters of four or more (up to 20% for a row each).
+template <int NV>
+constexpr int64_t rows_per_unit(int cluster, int cached) {
+  if (cluster == 1) return cached <= NV ? 1 : 0;
+  return cluster == 2 && cached == 0 ? 2 : 0;
+}
+
+// Launches row_kernel on the grid that rows_per_unit() asks for.
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached = 0>
 cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int threads, int tpr,
                               int cluster, int device, int sm_count, cudaStream_t stream) {
   const int64_t rows_per_cta = tpr > kWarpSize ? 1 : threads / tpr;
   const int64_t row_groups = ceil_div(layout.rows, rows_per_cta);
-  const int64_t max_groups =
-      kCached > 0 || cluster > 1
-          ? std::max(resident_units<Op, T, VEC, NV, kPath, kCached>(device, threads, cluster,
-                                                                     sm_count),
-                     sm_count / cluster)
-          : std::numeric_limits<int>::max();
+  const int64_t per_unit = rows_per_unit<NV>(cluster, kCached);
+  int64_t units = 0;
+  if (per_unit > 0) {
+    units = std::min<int64_t>(ceil_div(row_groups, per_unit),
+                              std::numeric_limits<int>::max() / cluster);
+  } else {
+    const int resident =
+        resident_units<Op, T, VEC, NV, kPath, kCached>(device, threads, cluster, sm_count);
+    units = std::min<int64_t>(row_groups, std::max(resident, sm_count / cluster));
+  }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(std::min(row_groups, max_groups) * cluster));
+  config.gridDim = dim3(static_cast<unsigned>(units * cluster));
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = row_smem_bytes<T, VEC, NV, kPath, kCached>(threads);
   config.stream = stream;
@@ -771,10 +790,11 @@ constexpr int fewer_cached(int cached, int nv) {
 // all but a quarter fits beside the weight on two CTAs per SM, where only the weight (whole params)
 // did: N = 65536 / 131072 / 262144 went from 0.83 / 0.70 / 0.65 to 0.86 / 0.84 / 0.79x of a copy
 // (H100; the bias's global loads held up the write loop as the weight's did RMSNorm's, see
-// cache_param). Shorter rows do not cache: their params stay in L1, and a CTA that caches strides
-// over the rows (launch_row_kernel). With them cached fp32 LayerNorm at N = 256-1024 ran 2-3%
-// slower; at N = 2048-4096 a CTA per row reading its params from L1 ran at 0.97-0.99x of a copy
-// (fp32) and 0.96-0.97x (bf16), cached 0.89x and 0.91-0.93x.
+// cache_param). Shorter rows do not cache: their params stay in L1. (With them cached, each CTA
+// striding over the rows as all that cached did then, fp32 LayerNorm at N = 256-1024 ran 2-3%
+// slower; at N = 2048-4096 a CTA per row reading its params from L1 ran at 0.97-0.99x of a
+// copy (fp32) and 0.96-0.97x (bf16), cached 0.89x and 0.91-0.93x.) See rows_per_unit for the
+// grid.
 template <class Op, typename T, int VEC, int NV, int kCached = Op::kParams * NV>
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
                            int sm_count, cudaStream_t stream) {
