@@ -881,11 +881,26 @@ struct Launch {
   int64_t column_tiles = 0;     // > 0: the sums by column_sums_kernel, P row slices of tiles
 };
 
+// How many times over plan_launch's grid holds the resident CTAs (clusters) of `shape`. Four
+// for clusters of up to 8 on the shared path that neither sums parameter gradients nor caches
+// columns (16-bit log_softmax): each then stages and writes about a quarter of the rows it
+// would striding over them all, and the hardware starts the next as clusters finish, which
+// evens out the end. H100, 2^26 elements, bf16 log_softmax_ backward, ratio to
+// clone-equivalent bandwidth, one grid -> four: N = 16384 / 32768 / 65536 0.808 / 0.797 /
+// 0.776 -> 0.841 / 0.822 / 0.803 (fp16 at 32768 0.801 -> 0.821; eight grids: 0.857 / 0.815 /
+// 0.791); clusters of 16 (N = 131072) 0.760 -> 0.748. The others lost with every larger grid
+// tried (bf16 LayerNorm with both parameter gradients at N = 4096 0.825 -> 0.735 with two
+// grids, softmax_ on cluster registers at 16384 0.866 -> 0.856): their per-CTA setup (the
+// column cache, a scratch row per CTA) is paid per grid.
+constexpr int64_t grid_waves(const Shape& shape, bool params, bool cache) {
+  return shape.path == Path::kShared && !params && !cache && shape.cluster <= 8 ? 4 : 1;
+}
+
 // `aligned`: every row (and side input) is 16-byte aligned with col_stride 1. Resident rows
-// run on as many CTAs (clusters) as fit on the GPU at once, each striding over rows (which
-// its staging needs, and which leaves no partial last wave); vector rows that fit on no SM
-// (or in no cluster that fits) are streamed. With parameter gradients, the grid is capped so
-// that the scratch stays within its bound.
+// run on as many CTAs (clusters) as fit on the GPU at once (grid_waves() times that), each
+// striding over rows (which its staging needs); vector rows that fit on no SM (or in no
+// cluster that fits) are streamed. With parameter gradients, the grid is capped so that the
+// scratch stays within its bound.
 template <class Op, typename T>
 Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int device,
                    const DeviceInfo& dev, bool cluster_registers = false) {
@@ -937,7 +952,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
     else
       fits = fitting(std::false_type{});
     if (fits > 0)
-      max_units = fits;
+      max_units = fits * grid_waves(l.shape, params, l.cache);
     else if (l.vec)
       l.shape = kStreamShape;
   }
