@@ -890,8 +890,9 @@ struct Launch {
 // 0.776 -> 0.841 / 0.822 / 0.803 (fp16 at 32768 0.801 -> 0.821; eight grids: 0.857 / 0.815 /
 // 0.791); clusters of 16 (N = 131072) 0.760 -> 0.748. The others lost with every larger grid
 // tried (bf16 LayerNorm with both parameter gradients at N = 4096 0.825 -> 0.735 with two
-// grids, softmax_ on cluster registers at 16384 0.866 -> 0.856): their per-CTA setup (the
-// column cache, a scratch row per CTA) is paid per grid.
+// grids, softmax_ on cluster registers at 16384 0.866 -> 0.856): each CTA's setup (the
+// column cache, its scratch row of the parameter gradients) is paid once per CTA, so the more
+// often the larger the grid. (The forward sizes its grid by rows_per_unit, rowwise.cuh.)
 constexpr int64_t grid_waves(const Shape& shape, bool params, bool cache) {
   return shape.path == Path::kShared && !params && !cache && shape.cluster <= 8 ? 4 : 1;
 }
