@@ -189,6 +189,11 @@ NORM_WIDTHS = tuple(n for n in PATH_WIDTHS + ODD_WIDTHS if n >= 8) + (70000,)
 # ulp(3.29) = 2.4e-7 where the mean itself (0.33) has 3e-8. Fixed by carrying the sum of
 # x - pivot as an exact hi + lo (norm.cu's PivotSums; passes on the H100).
 @example(lead=(), n=62, seed=763, weight=True, bias=False, rms=False)
+# Found on the H100 at c31d40d, fp32 only: the RMSNorm weight gradient of this 8-wide row
+# erred 8.4e-7 from PyTorch's 1.2e-7 (allowed 8.4e-7). y = x * rstd * weight was rounded
+# twice, and the weight gradient, taken from y, carried both. Fixed by rounding it once
+# (norm.cu's RmsNormOp::output).
+@example(lead=(), n=8, seed=2353, weight=True, bias=False, rms=True)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_norm_grads(device, dtype, lead, n, seed, weight, bias, rms):
