@@ -295,18 +295,25 @@ struct RmsNormOp : NormOpBase<T, Sum, 1> {  // the sum of squares
     return {this->rstd_of(t.v)};
   }
 
-  // fp32: x * rstd * weight rounded once (x * rstd's rounding error, taken exactly by an FMA,
-  // is carried into the product with the weight), where two products round twice. The
-  // backward recovers x_hat as y / weight, so y's rounding reaches the gradients: the weight
-  // gradient of an 8-wide fp32 row (test_backward's example with seed 2353) erred 8.4e-7
-  // with two roundings, 1.2e-7 with one, PyTorch's 1.2e-7 (its bound there 8.4e-7). 16-bit
-  // outputs round far coarser than either.
+  // fp32 on sm_90+: x * rstd * weight rounded once (x * rstd's rounding error, taken exactly
+  // by an FMA, is carried into the product with the weight), where two products round twice.
+  // The backward recovers x_hat as y / weight, so y's rounding reaches the gradients: the
+  // weight gradient of an 8-wide fp32 row (test_backward's example with seed 2353) erred
+  // 8.4e-7 with two roundings, 1.2e-7 with one, PyTorch's 1.2e-7 (its bound there 8.4e-7).
+  // Builds for sm_75-sm_89 keep the two roundings: there the kernel that holds 64 values per
+  // thread and caches the weight spilled 4-16 bytes with the FMA's operands. 16-bit outputs
+  // round far coarser than either.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static constexpr bool kOneRounding = sizeof(T) == 4;
+#else
+  static constexpr bool kOneRounding = false;
+#endif
   template <int VEC>
   __device__ __forceinline__ void output(float (&v)[VEC], const Out& o,
                                          const ParamValues<1, VEC>& p) const {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      if constexpr (sizeof(T) == 4) {
+      if constexpr (kOneRounding) {
         const float xr = v[j] * o.rstd;
         const float err = fmaf(v[j], o.rstd, -xr);
         v[j] = fmaf(xr, p.v[0][j], err * p.v[0][j]);
