@@ -740,9 +740,9 @@ int resident_units(int device, int threads, int cluster, int sm_count) {
 //    0.932 / 0.931 -> 0.953 / 0.952, stashed 16-bit ones at 65536 0.901 / 0.897 -> 0.929 /
 //    0.925 (bf16 softmax, fp16 log_softmax). A row each lost (0.922, 0.892), as did every
 //    grid tried for clusters of four or more (up to 20% for a row each).
-template <int NV>
-constexpr int64_t rows_per_unit(int cluster, int cached) {
-  if (cluster == 1) return cached <= NV ? 1 : 0;
+// `cached`: param vectors each thread caches; `nv`: the vectors it holds of a row.
+constexpr int64_t rows_per_unit(int cluster, int cached, int nv) {
+  if (cluster == 1) return cached <= nv ? 1 : 0;
   return cluster == 2 && cached == 0 ? 2 : 0;
 }
 
@@ -752,7 +752,7 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
                               int cluster, int device, int sm_count, cudaStream_t stream) {
   const int64_t rows_per_cta = tpr > kWarpSize ? 1 : threads / tpr;
   const int64_t row_groups = ceil_div(layout.rows, rows_per_cta);
-  const int64_t per_unit = rows_per_unit<NV>(cluster, kCached);
+  const int64_t per_unit = rows_per_unit(cluster, kCached, NV);
   int64_t units = 0;
   if (per_unit > 0) {
     units = std::min<int64_t>(ceil_div(row_groups, per_unit),
