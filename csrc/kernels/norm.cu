@@ -109,6 +109,7 @@ template <typename T, class S, int K>
 struct NormOpBase {
   using State = S;
   static constexpr float kPad = 0.f;
+  static constexpr bool kKeepsX = true;  // prepare() and local() change no z
   template <typename>
   static constexpr int kCtaRowRegs = kWarpRegs;
   static constexpr int kParams = K;

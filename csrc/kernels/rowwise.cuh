@@ -19,6 +19,8 @@
 //   using State;                    reduction state, see kernels/reduce.cuh
 //   static constexpr float kPad;    value of a column that is not read: past the row's end or
 //                                   past its causal limit. local() must treat it as absent.
+//   static constexpr bool kKeepsX;  prepare() and local() leave z equal to x (as floats), so
+//                                   a stashed step may be parked in shared memory as T
 //   template <typename T> static constexpr int kCtaRowRegs;   values per thread where a CTA
 //                                   of up to kMaxThreads threads holds a row
 //   struct Row { int64_t load_end; ... };   per-row context; columns >= load_end are not read
@@ -222,9 +224,10 @@ struct StagedVectors {
 };
 
 // Where write_vectors() reads param i of a thread's vector k (at column c0) from: for the
-// first kCached of the thread's K * NV param vectors, in the order (i, k), its slots in shared
-// memory (see cache_param), vector k of param i at slots[(i * NV + k) * stride]; for the
-// others global memory, or their value if absent.
+// first kCached of the thread's K * NV param vectors (NV: the vectors it holds of a row, over
+// all its steps), in the order (i, k), its slots in shared memory (see cache_param), vector k
+// of param i at slots[(i * NV + k) * stride]; for the others global memory, or their value if
+// absent.
 template <int NV, int VEC, typename T, int K, int kCached>
 struct ParamReader {
   const ColumnParams<T, K>& params;
@@ -399,32 +402,41 @@ __device__ __forceinline__ void write_step(float (&z)[NV][VEC], const Op& op,
     write_vectors<false>(z, op, out, params, row, at, col_stride, end);
 }
 
-// A thread's z of one step in shared memory (RowPath::kStashed): element e of z (in the order
-// [k][j]) at slots[(e / 4) * stride].{x,y,z,w}[e % 4]; with the threads of a CTA side by
-// side (stride = blockDim.x) a warp moves 512 contiguous bytes and no two lanes share a bank.
-template <int NV, int VEC>
-__device__ __forceinline__ void stash_step(float4* slots, int stride, const float (&z)[NV][VEC]) {
-  static_assert(NV * VEC % 4 == 0, "a step is whole float4s");
+// What a stashed step is parked as: x's own type where the op keeps z = x (exact, and a
+// 16-bit step takes half the bytes), else floats. 16 bytes of them per slot.
+template <class Op, typename T>
+using StashOf = std::conditional_t<Op::kKeepsX, T, float>;
+template <typename S>
+using StashSlot = Packed<S, 16 / sizeof(S)>;
+
+// A thread's z of one step in shared memory (RowPath::kStashed) as S: element e of z (in the
+// order [k][j]) at slots[(e / W) * stride].v[e % W], W = 16 / sizeof(S); with the threads of a
+// CTA side by side (stride = blockDim.x) a warp moves 512 contiguous bytes and no two lanes
+// share a bank.
+template <typename S, int NV, int VEC>
+__device__ __forceinline__ void stash_step(StashSlot<S>* slots, int stride,
+                                           const float (&z)[NV][VEC]) {
+  constexpr int W = 16 / sizeof(S);
+  static_assert(NV * VEC % W == 0, "a step is whole slots");
 #pragma unroll
-  for (int q = 0; q < NV * VEC / 4; ++q) {
-    const int e = 4 * q;
-    slots[q * stride] = make_float4(z[e / VEC][e % VEC], z[(e + 1) / VEC][(e + 1) % VEC],
-                                    z[(e + 2) / VEC][(e + 2) % VEC],
-                                    z[(e + 3) / VEC][(e + 3) % VEC]);
+  for (int q = 0; q < NV * VEC / W; ++q) {
+    StashSlot<S> slot;
+#pragma unroll
+    for (int i = 0; i < W; ++i) slot.v[i] = from_float<S>(z[(q * W + i) / VEC][(q * W + i) % VEC]);
+    slots[q * stride] = slot;
   }
 }
 
-template <int NV, int VEC>
-__device__ __forceinline__ void unstash_step(float (&z)[NV][VEC], const float4* slots,
+template <typename S, int NV, int VEC>
+__device__ __forceinline__ void unstash_step(float (&z)[NV][VEC], const StashSlot<S>* slots,
                                              int stride) {
+  constexpr int W = 16 / sizeof(S);
 #pragma unroll
-  for (int q = 0; q < NV * VEC / 4; ++q) {
-    const float4 v = slots[q * stride];
-    const int e = 4 * q;
-    z[e / VEC][e % VEC] = v.x;
-    z[(e + 1) / VEC][(e + 1) % VEC] = v.y;
-    z[(e + 2) / VEC][(e + 2) % VEC] = v.z;
-    z[(e + 3) / VEC][(e + 3) % VEC] = v.w;
+  for (int q = 0; q < NV * VEC / W; ++q) {
+    float f[W];
+    to_floats(f, slots[q * stride]);
+#pragma unroll
+    for (int i = 0; i < W; ++i) z[(q * W + i) / VEC][(q * W + i) % VEC] = f[i];
   }
 }
 
@@ -483,10 +495,11 @@ int params_to_cache(const ColumnParams<T, K>& params) {
 //
 // kStashed is kCluster with a CTA's run twice as long (kMaxThreads * NV * 2 vectors), which
 // each thread reads and reduces as two steps, the first parked in shared memory meanwhile
-// (after the cached params, which launch_rows gives it none of).
+// (after the cached params; see StashOf for its type).
 //
 // kCached (ops with Op::kParams; not on the streaming path): the first kCached of the
-// thread's param vectors (NV per param, param 0's first; their value where absent) are copied
+// thread's param vectors (one per vector it holds of a row and param, param 0's first, then
+// in the order of the row's steps; their value where absent) are copied
 // into shared memory once (cache_param, row_smem_bytes() of dynamic shared memory) and read
 // from there in every row's write loop, the others from global memory (see ParamReader).
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
@@ -501,8 +514,6 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPat
   constexpr int kHeldNV = NV * kSteps;  // vectors a thread holds of a row
   constexpr int kStride = kClusterRows ? kMaxThreads : 0;
   static_assert(kCached == 0 || !kStream, "a streamed row's columns change from step to step");
-  // ParamReader knows one step of a thread's vectors; launch_rows stashes no op with params.
-  static_assert(Op::kParams == 0 || kSteps == 1, "a stashed row's params span its steps");
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
   using Cursor = StepCursor<Col, kStride>;
@@ -528,20 +539,22 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPat
     cluster_sync();
   }
   Vec* const param_slots = reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x;
-  float4* const stash = reinterpret_cast<float4*>(reinterpret_cast<Vec*>(dynamic_smem) +
-                                                  kCached * blockDim.x) +
-                        threadIdx.x;
-  constexpr int kStashSlots = NV * VEC / 4;  // float4s per stashed step and thread
+  using Stash = StashOf<Op, T>;
+  StashSlot<Stash>* const stash =
+      reinterpret_cast<StashSlot<Stash>*>(reinterpret_cast<Vec*>(dynamic_smem) +
+                                          kCached * blockDim.x) +
+      threadIdx.x;
+  constexpr int kStashSlots = NV * VEC * sizeof(Stash) / 16;  // per stashed step and thread
   if constexpr (kCached > 0) {
 #pragma unroll
-    for (int i = 0; i * NV < kCached; ++i)
-      cache_param(param_slots + i * NV * blockDim.x, static_cast<int>(blockDim.x),
-                  std::min(NV, kCached - i * NV), op.params.ptr[i], op.params.absent[i],
-                  Cursor{t, lane_group}, static_cast<Col>(layout.n));
+    for (int i = 0; i * kHeldNV < kCached; ++i)
+      cache_param(param_slots + i * kHeldNV * blockDim.x, static_cast<int>(blockDim.x),
+                  std::min(kHeldNV, kCached - i * kHeldNV), op.params.ptr[i],
+                  op.params.absent[i], Cursor{t, lane_group}, static_cast<Col>(layout.n));
     cp_async_commit();
   }
-  const ParamReader<NV, VEC, T, Op::kParams, kCached> params{op.params, param_slots,
-                                                             static_cast<int>(blockDim.x)};
+  const ParamReader<kHeldNV, VEC, T, Op::kParams, kCached> params{
+      op.params, param_slots, static_cast<int>(blockDim.x)};
   unsigned rows_done = 0;  // by this thread: picks the reduction buffers
   for (int64_t g = blockIdx.x / cluster; g < row_groups; g += group_stride) {
     const int64_t r = g * rows_per_cta + sub_row;
@@ -572,7 +585,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPat
     } else {
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        if (s > 0) stash_step(stash + (s - 1) * kStashSlots * blockDim.x, blockDim.x, z);
+        if (s > 0) stash_step<Stash>(stash + (s - 1) * kStashSlots * blockDim.x, blockDim.x, z);
         held[s] = read_step<kPerWarp>(z, op, from_global, rc,
                                       Cursor{t + s * NV * lane_group, lane_group}, load_end, end);
         mine = s == 0 ? held[0] : State::combine(mine, held[s]);
@@ -608,9 +621,18 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPat
       if constexpr (kCached > 0) cp_async_wait<0>();  // the cached params are in
 #pragma unroll
       for (int s = kSteps - 1; s >= 0; --s) {
-        if (s < kSteps - 1) unstash_step(z, stash + s * kStashSlots * blockDim.x, blockDim.x);
-        write_step(z, op, op.out(fin, held[s]), params, row,
-                   Cursor{t + s * NV * lane_group, lane_group}, col_stride, end);
+        if (s < kSteps - 1)
+          unstash_step<Stash>(z, stash + s * kStashSlots * blockDim.x, blockDim.x);
+        const typename Op::Out out = op.out(fin, held[s]);
+        const Cursor at{t + s * NV * lane_group, lane_group};
+        // A stashed row's step s reads the params of the thread's vectors s * NV on. (The
+        // one-step kernels take the reader itself: fp32 RMSNorm's cluster kernel spilled 8
+        // bytes on sm_75 with the step's wrapper.)
+        if constexpr (kSteps == 1)
+          write_step(z, op, out, params, row, at, col_stride, end);
+        else
+          write_step(z, op, out, [&](int k, Col c0) { return params(s * NV + k, c0); }, row, at,
+                     col_stride, end);
       }
     }
   }
@@ -662,10 +684,10 @@ inline cudaError_t current_device(int* device, DeviceInfo* info) {
 
 // Dynamic shared memory of a launch of row_kernel: the cached param vectors, then the stashed
 // steps.
-template <typename T, int VEC, int NV, RowPath kPath, int kCached>
+template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
 constexpr size_t row_smem_bytes(int threads) {
   return (static_cast<size_t>(kCached) * sizeof(Packed<T, VEC>) +
-          static_cast<size_t>(held_steps(kPath) - 1) * NV * VEC * sizeof(float)) *
+          static_cast<size_t>(held_steps(kPath) - 1) * NV * VEC * sizeof(StashOf<Op, T>)) *
          threads;
 }
 
@@ -719,7 +741,7 @@ int resident_units(int device, int threads, int cluster, int sm_count) {
     return slot->load(std::memory_order_relaxed) - 1;
   const int units =
       occupancy_units(row_kernel<Op, T, VEC, NV, kPath, kCached>, threads, cluster,
-                      row_smem_bytes<T, VEC, NV, kPath, kCached>(threads), sm_count);
+                      row_smem_bytes<Op, T, VEC, NV, kPath, kCached>(threads), sm_count);
   if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
   return units;
 }
@@ -740,7 +762,10 @@ int resident_units(int device, int threads, int cluster, int sm_count) {
 //    0.932 / 0.931 -> 0.953 / 0.952, stashed 16-bit ones at 65536 0.901 / 0.897 -> 0.929 /
 //    0.925 (bf16 softmax, fp16 log_softmax). A row each lost (0.922, 0.892), as did every
 //    grid tried for clusters of four or more (up to 20% for a row each).
-// `cached`: param vectors each thread caches; `nv`: the vectors it holds of a row.
+//  - a stashed CTA that caches its weight (16-bit RMSNorm at N = 32768), a row each: 0.936 ->
+//    0.964 (bf16).
+// `cached`: param vectors each thread caches; `nv`: the vectors it holds of a row (both steps
+// of a stashed one).
 constexpr int64_t rows_per_unit(int cluster, int cached, int nv) {
   if (cluster == 1) return cached <= nv ? 1 : 0;
   return cluster == 2 && cached == 0 ? 2 : 0;
@@ -752,7 +777,7 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
                               int cluster, int device, int sm_count, cudaStream_t stream) {
   const int64_t rows_per_cta = tpr > kWarpSize ? 1 : threads / tpr;
   const int64_t row_groups = ceil_div(layout.rows, rows_per_cta);
-  const int64_t per_unit = rows_per_unit(cluster, kCached, NV);
+  const int64_t per_unit = rows_per_unit(cluster, kCached, NV * held_steps(kPath));
   int64_t units = 0;
   if (per_unit > 0) {
     units = std::min<int64_t>(ceil_div(row_groups, per_unit),
@@ -765,7 +790,7 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(units * cluster));
   config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = row_smem_bytes<T, VEC, NV, kPath, kCached>(threads);
+  config.dynamicSmemBytes = row_smem_bytes<Op, T, VEC, NV, kPath, kCached>(threads);
   config.stream = stream;
   cudaLaunchAttribute dims = cluster_dims(cluster);
   config.attrs = &dims;
@@ -795,12 +820,12 @@ constexpr int fewer_cached(int cached, int nv) {
 // slower; at N = 2048-4096 a CTA per row reading its params from L1 ran at 0.97-0.99x of a
 // copy (fp32) and 0.96-0.97x (bf16), cached 0.89x and 0.91-0.93x.) See rows_per_unit for the
 // grid.
-template <class Op, typename T, int VEC, int NV, int kCached = Op::kParams * NV>
+template <class Op, typename T, int VEC, int NV, RowPath kPath,
+          int kCached = Op::kParams * NV * held_steps(kPath)>
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
                            int sm_count, cudaStream_t stream) {
-  constexpr RowPath kPath = RowPath::kCluster;
   if constexpr (kCached > 0) {
-    const int units = params_to_cache(op.params) * NV >= kCached
+    const int units = params_to_cache(op.params) * NV * held_steps(kPath) >= kCached
                           ? resident_units<Op, T, VEC, NV, kPath, kCached>(device, kMaxThreads,
                                                                            cluster, sm_count)
                           : 0;
@@ -808,8 +833,8 @@ cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int clus
         units >= resident_units<Op, T, VEC, NV, kPath, 0>(device, kMaxThreads, cluster, sm_count))
       return launch_row_kernel<Op, T, VEC, NV, kPath, kCached>(
           x, layout, op, kMaxThreads, kMaxThreads, cluster, device, sm_count, stream);
-    return launch_caching<Op, T, VEC, NV, fewer_cached(kCached, NV)>(x, layout, op, cluster,
-                                                                     device, sm_count, stream);
+    return launch_caching<Op, T, VEC, NV, kPath, fewer_cached(kCached, NV * held_steps(kPath))>(
+        x, layout, op, cluster, device, sm_count, stream);
   } else {
     return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,
                                                     cluster, device, sm_count, stream);
@@ -909,19 +934,22 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   using Registers = std::integral_constant<RowPath, RowPath::kCluster>;
   // 16-bit rows of ops without params stash (H100, 2^26 elements, ratio to a copy at
   // N = 32768 / 65536 / 131072 / 262144: bf16 softmax 0.88 / 0.87 / 0.83 / 0.77 without,
-  // 0.98 / 0.90 / 0.90 / 0.88 with). A norm's CTA that holds twice the columns needs twice the
-  // cached params, which then no longer fit beside the stash: 16-bit LayerNorm lost 16-25%,
-  // RMSNorm up to 9% at N >= 65536. fp32 rows already move 64 KiB per CTA and row.
-  if constexpr (sizeof(T) == 2 && Op::kParams == 0) {
+  // 0.98 / 0.90 / 0.90 / 0.88 with), and so do RMSNorm's: x stashed as itself (StashOf) takes
+  // 32 KiB per CTA, beside which the CTA's weight (twice the columns, 64 KiB) stays cached
+  // with two CTAs per SM (bf16, 0.911 / 0.899 / - / 0.895 -> 0.964 / 0.917 / - / 0.903; with
+  // the weight read from global memory instead 0.89 / 0.77 / - / 0.75). LayerNorm's two params
+  // do not fit beside the stash whole, and with part of them cached bf16 lost 2-23% (0.883 ->
+  // 0.680 at 32768). fp32 rows already move 64 KiB per CTA and row.
+  if constexpr (sizeof(T) == 2 && (Op::kParams == 0 || (Op::kParams == 1 && Op::kKeepsX))) {
     if (vecs > cta_vecs) {
       if (const int cluster = cluster_for(Stashed{}))
-        return launch_row_kernel<Op, T, VEC, kCtaNV, RowPath::kStashed>(
-            x, layout, op, kMaxThreads, kMaxThreads, cluster, device, dev.sm_count, stream);
+        return launch_caching<Op, T, VEC, kCtaNV, RowPath::kStashed>(x, layout, op, cluster,
+                                                                     device, dev.sm_count, stream);
     }
   }
   if (const int cluster = cluster_for(Registers{}))
-    return launch_caching<Op, T, VEC, kCtaNV>(x, layout, op, cluster, device, dev.sm_count,
-                                              stream);
+    return launch_caching<Op, T, VEC, kCtaNV, RowPath::kCluster>(x, layout, op, cluster, device,
+                                                                 dev.sm_count, stream);
   return launch_row_kernel<Op, T, VEC, kStreamRegs / VEC, RowPath::kStream>(
       x, layout, op, kMaxThreads, kMaxThreads, 1, device, dev.sm_count, stream);
 }

@@ -68,6 +68,7 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   static constexpr int kCtaRowRegs = kWarpRegs;
   // An unread column (causal limit, past the end) is a masked one.
   static constexpr float kPad = -INFINITY;
+  static constexpr bool kKeepsX = false;  // prepare() scales and masks z, local() exps it
   static constexpr int kParams = 0;
   ColumnParams<T, 0> params;
   // Per vector: the additive mask's values, or the bool mask's bytes as one integer (kept
