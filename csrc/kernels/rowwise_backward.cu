@@ -11,8 +11,9 @@
 //  - Path::kRegisters: rows that a CTA holds in registers, one step, read once. Vector rows
 //    (16-byte accesses, see below) are prefetched: the thread's vectors of its next row are
 //    copied into shared memory (cp.async) while the current row is reduced and written.
-//  - Path::kRegisterCluster: the same for softmax's longer vector rows (but 16-bit
-//    log_softmax's), held by the registers of a cluster of CTAs on sm_90+.
+//  - Path::kRegisterCluster: the same for softmax's longer vector rows, held by the
+//    registers of one CTA (16-bit rows, with more elements per thread) or of a cluster of
+//    CTAs on sm_90+ (but 16-bit log_softmax's).
 //  - Path::kShared: other longer vector rows, each thread's vectors of y and dy copied
 //    into shared memory (cp.async), reduced from there vector by vector and grad_x computed
 //    from the same copy, so y and dy are read from DRAM once; on sm_90+ a cluster of CTAs
@@ -56,8 +57,8 @@ namespace {
 enum class Path { kRegisters, kRegisterCluster, kShared, kStream };
 
 // Elements (Path::kRegisters) or vectors (Path::kShared) per thread. Registers: softmax's y
-// and grad take 32 registers each in fp32 (16-bit types would fit 64 elements there, but
-// their conversions then spill); norms read weight and bias along, and with grad_weight /
+// and grad take 32 registers each in fp32 (16-bit types take 64 elements there on
+// Path::kRegisterCluster, see SoftmaxBackwardOp::kClusterElems); norms read weight and bias along, and with grad_weight /
 // grad_bias keep 2 fp32 sums per element a thread owns: kParamElems. Shared memory bounds
 // Path::kShared's rows, not registers: kStagedVectors of y and dy per thread and buffer, 64
 // KiB per CTA of kMaxThreads with both buffers, so that two CTAs fit on an SM (H100: 228 KiB;
@@ -77,8 +78,10 @@ constexpr int path_nv(Path path, int vec, bool params) {
   if (vec == 1) return kScalarNV;
   switch (path) {
     case Path::kRegisters:
-    case Path::kRegisterCluster:
       return (params ? kParamElems : Op::kResidentElems) / vec;
+    case Path::kRegisterCluster:
+      if constexpr (Op::kClusterRegisters) return Op::kClusterElems / vec;
+      break;
     case Path::kShared:
       return (params || Op::template kCacheColumns<Path::kShared>) &&
                      kParamElems / vec < kStagedVectors
@@ -134,6 +137,16 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // more: see NormBackwardOp.)
   static constexpr bool kClusterRegisters = true;
   bool cluster_registers() const { return sizeof(T) == 4 || !log; }
+  // Elements per thread on Path::kRegisterCluster, which also takes the rows that one CTA
+  // holds with more than kResidentElems (for every softmax, cluster_registers() or not): a
+  // 16-bit thread holds 64 there, packed, as 32 registers each of y and dy, so that a CTA
+  // holds 16384 and a cluster needs half the CTAs. H100, 2^26 elements, bf16 backward, ratio
+  // to the bandwidth of y + dy into a third tensor, 32 -> 64: softmax_ at N = 16384 0.855 ->
+  // 0.896 (fp16 0.859 -> 0.908), 32768 0.832 -> 0.848, 65536 0.818 -> 0.815; log_softmax_ at
+  // 16384 (from the shared path) 0.833 -> 0.885. Rows that 32 per thread hold lost with 64
+  // (softmax_ 0.925 -> 0.870 at 2048, 0.907 -> 0.899 at 8192; log_softmax_ 0.918 -> 0.889 at
+  // 8192), so kResidentElems stays 32.
+  static constexpr int kClusterElems = sizeof(T) == 2 ? 2 * kSoftmaxElems : kSoftmaxElems;
   static constexpr int kColumnValues = 0;
   template <Path>
   static constexpr bool kCacheColumns = false;
@@ -804,9 +817,10 @@ __global__ void __launch_bounds__(kMaxThreads)
 // ---------------------------------------------------------------------------- host side
 
 // The path, threads per row group and CTA, and CTAs per row, for rows of `vecs` vectors:
-// registers (reg_nv vectors per thread) where a CTA's hold the row, else (cluster_registers)
-// the registers of as few CTAs as hold it or (otherwise) their shared memory (shared_nv per
-// thread), up to `max_cluster` CTAs (0: neither), else streamed.
+// registers (reg_nv vectors per thread) where a CTA's hold the row, else the registers of
+// as few CTAs as hold it with cluster_nv each (0: the op has no such path) where one does or
+// cluster_registers, or (otherwise) their shared memory (shared_nv per thread), up to
+// `max_cluster` CTAs (0: neither), else streamed.
 struct Shape {
   int threads = 0;  // CTA size
   int tpr = 0;      // threads per row (a divisor of threads; on a cluster, the CTA's share)
@@ -814,7 +828,7 @@ struct Shape {
   Path path = Path::kRegisters;
 };
 
-Shape pick_shape(int64_t vecs, int reg_nv, int shared_nv, int max_cluster,
+Shape pick_shape(int64_t vecs, int reg_nv, int cluster_nv, int shared_nv, int max_cluster,
                  bool cluster_registers) {
   Shape s;
   if (vecs <= int64_t{kWarpSize} * reg_nv) {
@@ -833,11 +847,13 @@ Shape pick_shape(int64_t vecs, int reg_nv, int shared_nv, int max_cluster,
   // As few full CTAs as hold the row (any count: a power of two would leave up to half of
   // them idle), or streamed.
   s.threads = s.tpr = kMaxThreads;
+  const bool registers =
+      cluster_nv > 0 && (cluster_registers || vecs <= int64_t{kMaxThreads} * cluster_nv);
   const int64_t ctas =
-      ceil_div(vecs, int64_t{kMaxThreads} * (cluster_registers ? reg_nv : shared_nv));
+      ceil_div(vecs, int64_t{kMaxThreads} * (registers ? cluster_nv : shared_nv));
   if (ctas <= max_cluster) {
     s.cluster = static_cast<int>(ctas);
-    s.path = cluster_registers ? Path::kRegisterCluster : Path::kShared;
+    s.path = registers ? Path::kRegisterCluster : Path::kShared;
   } else {
     s.path = Path::kStream;
   }
@@ -912,9 +928,9 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   const int vec = l.vec ? kVec<T> : 1;
   const bool params = param_arrays > 0;
   l.shape = pick_shape(ceil_div(n, vec), path_nv<Op>(Path::kRegisters, vec, params),
+                       Op::kClusterRegisters ? path_nv<Op>(Path::kRegisterCluster, vec, params) : 0,
                        path_nv<Op>(Path::kShared, vec, params),
-                       !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1,
-                       Op::kClusterRegisters && cluster_registers);
+                       !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1, cluster_registers);
   // Row groups (CTAs or clusters) the grid may hold.
   int64_t max_units = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
   if (l.shape.path != Path::kStream) {
