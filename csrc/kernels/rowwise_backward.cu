@@ -11,9 +11,11 @@
 //  - Path::kRegisters: rows that a CTA holds in registers, one step, read once. Vector rows
 //    (16-byte accesses, see below) are prefetched: the thread's vectors of its next row are
 //    copied into shared memory (cp.async) while the current row is reduced and written.
-//  - Path::kRegisterCluster: the same for softmax's longer vector rows, held by the
-//    registers of one CTA (16-bit rows, with more elements per thread) or of a cluster of
-//    CTAs on sm_90+ (but 16-bit log_softmax's).
+//  - Path::kWideRegisters: the same for softmax's rows that a CTA holds only with more
+//    elements per thread (16-bit rows, SoftmaxBackwardOp::kClusterElems).
+//  - Path::kRegisterCluster: the same for softmax's longer vector rows (but 16-bit
+//    log_softmax's), held by the registers of a cluster of CTAs on sm_90+, kClusterElems per
+//    thread.
 //  - Path::kShared: other longer vector rows, each thread's vectors of y and dy copied
 //    into shared memory (cp.async), reduced from there vector by vector and grad_x computed
 //    from the same copy, so y and dy are read from DRAM once; on sm_90+ a cluster of CTAs
@@ -54,7 +56,7 @@ namespace {
 // The backward kernel's paths (see the top of the file).
 // kRegisterCluster is kRegisters compiled with the cluster reduction, which costs the
 // single-CTA kernels 4-10 registers (sm_90a).
-enum class Path { kRegisters, kRegisterCluster, kShared, kStream };
+enum class Path { kRegisters, kWideRegisters, kRegisterCluster, kShared, kStream };
 
 // Elements (Path::kRegisters) or vectors (Path::kShared) per thread. Registers: softmax's y
 // and grad take 32 registers each in fp32 (16-bit types take 64 elements there on
@@ -79,6 +81,7 @@ constexpr int path_nv(Path path, int vec, bool params) {
   switch (path) {
     case Path::kRegisters:
       return (params ? kParamElems : Op::kResidentElems) / vec;
+    case Path::kWideRegisters:
     case Path::kRegisterCluster:
       if constexpr (Op::kClusterRegisters) return Op::kClusterElems / vec;
       break;
@@ -91,6 +94,15 @@ constexpr int path_nv(Path path, int vec, bool params) {
       break;
   }
   return kStreamElems / vec;
+}
+
+// Whether Op holds some rows on Path::kWideRegisters (16-bit softmax).
+template <class Op>
+constexpr bool has_wide_registers() {
+  if constexpr (Op::kClusterRegisters)
+    return Op::kClusterElems > Op::kResidentElems;
+  else
+    return false;
 }
 
 constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
@@ -137,15 +149,18 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // more: see NormBackwardOp.)
   static constexpr bool kClusterRegisters = true;
   bool cluster_registers() const { return sizeof(T) == 4 || !log; }
-  // Elements per thread on Path::kRegisterCluster, which also takes the rows that one CTA
-  // holds with more than kResidentElems (for every softmax, cluster_registers() or not): a
-  // 16-bit thread holds 64 there, packed, as 32 registers each of y and dy, so that a CTA
-  // holds 16384 and a cluster needs half the CTAs. H100, 2^26 elements, bf16 backward, ratio
-  // to the bandwidth of y + dy into a third tensor, 32 -> 64: softmax_ at N = 16384 0.855 ->
-  // 0.896 (fp16 0.859 -> 0.908), 32768 0.832 -> 0.848, 65536 0.818 -> 0.815; log_softmax_ at
-  // 16384 (from the shared path) 0.833 -> 0.885. Rows that 32 per thread hold lost with 64
-  // (softmax_ 0.925 -> 0.870 at 2048, 0.907 -> 0.899 at 8192; log_softmax_ 0.918 -> 0.889 at
-  // 8192), so kResidentElems stays 32.
+  // Elements per thread on Path::kRegisterCluster and Path::kWideRegisters (the rows that
+  // one CTA holds with more than kResidentElems, for every softmax, cluster_registers() or
+  // not): a 16-bit thread holds 64 there, packed, as 32 registers each of y and dy, so that
+  // a CTA holds 16384 and a cluster needs half the CTAs. H100, 2^26 elements, bf16 backward,
+  // 32 -> 64 per thread, ratio to the bandwidth of y + dy into a third tensor (two builds,
+  // one machine): softmax_ at N = 16384 0.855 -> 0.896 (fp16 0.859 -> 0.908; one CTA with
+  // the cluster kernel instead read 0.859 in bench_rowwise), 32768 0.832 -> 0.848, 65536
+  // 0.818 -> 0.815; log_softmax_ at 16384 (from the shared path) 0.833 -> 0.885. To clone's
+  // bandwidth (bench_rowwise against earlier sweeps): 131072 0.79 -> 0.81, and rows of
+  // 262144, which no 16-CTA cluster held with 32 and were streamed, 0.56 -> 0.76. Rows that
+  // 32 per thread hold lost with 64 (softmax_ 0.925 -> 0.870 at 2048, 0.907 -> 0.899 at
+  // 8192; log_softmax_ 0.918 -> 0.889 at 8192), so kResidentElems stays 32.
   static constexpr int kClusterElems = sizeof(T) == 2 ? 2 * kSoftmaxElems : kSoftmaxElems;
   static constexpr int kColumnValues = 0;
   template <Path>
@@ -419,7 +434,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   static_assert(!kShared || VEC > 1, "the shared path stages 16-byte vectors");
   // Whether a row may span a cluster's CTAs here (the launcher gives the others cluster == 1).
   constexpr bool kClusters = kShared || kPath == Path::kRegisterCluster;
-  static_assert(kPath != Path::kRegisterCluster || Op::kClusterRegisters,
+  static_assert((kPath != Path::kRegisterCluster && kPath != Path::kWideRegisters) ||
+                    Op::kClusterRegisters,
                 "the op keeps its rows in shared memory");
   // Register rows whose next row is prefetched into shared memory.
   constexpr bool kPrefetch = staging_buffers(kPath, VEC) == 1;
@@ -817,10 +833,10 @@ __global__ void __launch_bounds__(kMaxThreads)
 // ---------------------------------------------------------------------------- host side
 
 // The path, threads per row group and CTA, and CTAs per row, for rows of `vecs` vectors:
-// registers (reg_nv vectors per thread) where a CTA's hold the row, else the registers of
-// as few CTAs as hold it with cluster_nv each (0: the op has no such path) where one does or
-// cluster_registers, or (otherwise) their shared memory (shared_nv per thread), up to
-// `max_cluster` CTAs (0: neither), else streamed.
+// registers (reg_nv vectors per thread) where a CTA's hold the row, or cluster_nv (0: the op
+// has no such paths) where only those do; else (cluster_registers) the registers of as few
+// CTAs as hold it with cluster_nv each, or (otherwise) their shared memory (shared_nv per
+// thread), up to `max_cluster` CTAs (0: neither), else streamed.
 struct Shape {
   int threads = 0;  // CTA size
   int tpr = 0;      // threads per row (a divisor of threads; on a cluster, the CTA's share)
@@ -847,13 +863,15 @@ Shape pick_shape(int64_t vecs, int reg_nv, int cluster_nv, int shared_nv, int ma
   // As few full CTAs as hold the row (any count: a power of two would leave up to half of
   // them idle), or streamed.
   s.threads = s.tpr = kMaxThreads;
-  const bool registers =
-      cluster_nv > 0 && (cluster_registers || vecs <= int64_t{kMaxThreads} * cluster_nv);
+  if (cluster_nv > reg_nv && max_cluster > 0 && vecs <= int64_t{kMaxThreads} * cluster_nv) {
+    s.path = Path::kWideRegisters;
+    return s;
+  }
   const int64_t ctas =
-      ceil_div(vecs, int64_t{kMaxThreads} * (registers ? cluster_nv : shared_nv));
+      ceil_div(vecs, int64_t{kMaxThreads} * (cluster_registers ? cluster_nv : shared_nv));
   if (ctas <= max_cluster) {
     s.cluster = static_cast<int>(ctas);
-    s.path = registers ? Path::kRegisterCluster : Path::kShared;
+    s.path = cluster_registers ? Path::kRegisterCluster : Path::kShared;
   } else {
     s.path = Path::kStream;
   }
@@ -883,6 +901,7 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
 }
 
 using Registers = std::integral_constant<Path, Path::kRegisters>;
+using WideRegisters = std::integral_constant<Path, Path::kWideRegisters>;
 using RegisterCluster = std::integral_constant<Path, Path::kRegisterCluster>;
 using Shared = std::integral_constant<Path, Path::kShared>;
 
@@ -952,6 +971,8 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
           return resident_backward_units<Op, T, kVec<T>, kPath, kParams, kCache>(
               device, threads, cluster, sm_count);
       };
+      if constexpr (has_wide_registers<Op>())
+        if (l.shape.path == Path::kWideRegisters) return on(WideRegisters{});
       if constexpr (Op::kClusterRegisters)
         if (l.shape.path == Path::kRegisterCluster) return on(RegisterCluster{});
       return l.shape.path == Path::kShared ? on(Shared{}) : on(Registers{});
@@ -1059,6 +1080,8 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
         if (l.shape.path == Path::kRegisters) return resident(Registers{}, std::true_type{});
     }
     if (l.shape.path == Path::kShared) return resident(Shared{}, std::false_type{});
+    if constexpr (has_wide_registers<Op>())
+      if (l.shape.path == Path::kWideRegisters) return resident(WideRegisters{}, std::false_type{});
     if constexpr (Op::kClusterRegisters)
       if (l.shape.path == Path::kRegisterCluster)
         return resident(RegisterCluster{}, std::false_type{});
