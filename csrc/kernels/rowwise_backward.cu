@@ -12,10 +12,11 @@
 //    (16-byte accesses, see below) are prefetched: the thread's vectors of its next row are
 //    copied into shared memory (cp.async) while the current row is reduced and written.
 //  - Path::kWideRegisters: the same for softmax's rows that a CTA holds only with more
-//    elements per thread (16-bit rows, SoftmaxBackwardOp::kClusterElems).
+//    elements per thread (16-bit rows, SoftmaxBackwardOp::kWideElems).
 //  - Path::kRegisterCluster: the same for softmax's longer vector rows (but 16-bit
-//    log_softmax's), held by the registers of a cluster of CTAs on sm_90+, kClusterElems per
-//    thread.
+//    log_softmax's), held by the registers of a cluster of CTAs on sm_90+;
+//    Path::kWideRegisterCluster with kWideElems per thread, for rows that no cluster holds
+//    otherwise.
 //  - Path::kShared: other longer vector rows, each thread's vectors of y and dy copied
 //    into shared memory (cp.async), reduced from there vector by vector and grad_x computed
 //    from the same copy, so y and dy are read from DRAM once; on sm_90+ a cluster of CTAs
@@ -56,11 +57,18 @@ namespace {
 // The backward kernel's paths (see the top of the file).
 // kRegisterCluster is kRegisters compiled with the cluster reduction, which costs the
 // single-CTA kernels 4-10 registers (sm_90a).
-enum class Path { kRegisters, kWideRegisters, kRegisterCluster, kShared, kStream };
+enum class Path {
+  kRegisters,
+  kWideRegisters,
+  kRegisterCluster,
+  kWideRegisterCluster,
+  kShared,
+  kStream
+};
 
 // Elements (Path::kRegisters) or vectors (Path::kShared) per thread. Registers: softmax's y
 // and grad take 32 registers each in fp32 (16-bit types take 64 elements there on
-// Path::kRegisterCluster, see SoftmaxBackwardOp::kClusterElems); norms read weight and bias along, and with grad_weight /
+// the wide paths, see SoftmaxBackwardOp::kWideElems); norms read weight and bias along, and with grad_weight /
 // grad_bias keep 2 fp32 sums per element a thread owns: kParamElems. Shared memory bounds
 // Path::kShared's rows, not registers: kStagedVectors of y and dy per thread and buffer, 64
 // KiB per CTA of kMaxThreads with both buffers, so that two CTAs fit on an SM (H100: 228 KiB;
@@ -80,10 +88,11 @@ constexpr int path_nv(Path path, int vec, bool params) {
   if (vec == 1) return kScalarNV;
   switch (path) {
     case Path::kRegisters:
+    case Path::kRegisterCluster:
       return (params ? kParamElems : Op::kResidentElems) / vec;
     case Path::kWideRegisters:
-    case Path::kRegisterCluster:
-      if constexpr (Op::kClusterRegisters) return Op::kClusterElems / vec;
+    case Path::kWideRegisterCluster:
+      if constexpr (Op::kClusterRegisters) return Op::kWideElems / vec;
       break;
     case Path::kShared:
       return (params || Op::template kCacheColumns<Path::kShared>) &&
@@ -96,11 +105,11 @@ constexpr int path_nv(Path path, int vec, bool params) {
   return kStreamElems / vec;
 }
 
-// Whether Op holds some rows on Path::kWideRegisters (16-bit softmax).
+// Whether Op holds some rows on the wide register paths (16-bit softmax).
 template <class Op>
 constexpr bool has_wide_registers() {
   if constexpr (Op::kClusterRegisters)
-    return Op::kClusterElems > Op::kResidentElems;
+    return Op::kWideElems > Op::kResidentElems;
   else
     return false;
 }
@@ -149,19 +158,20 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // more: see NormBackwardOp.)
   static constexpr bool kClusterRegisters = true;
   bool cluster_registers() const { return sizeof(T) == 4 || !log; }
-  // Elements per thread on Path::kRegisterCluster and Path::kWideRegisters (the rows that
-  // one CTA holds with more than kResidentElems, for every softmax, cluster_registers() or
-  // not): a 16-bit thread holds 64 there, packed, as 32 registers each of y and dy, so that
-  // a CTA holds 16384 and a cluster needs half the CTAs. H100, 2^26 elements, bf16 backward,
-  // 32 -> 64 per thread, ratio to the bandwidth of y + dy into a third tensor (two builds,
-  // one machine): softmax_ at N = 16384 0.855 -> 0.896 (fp16 0.859 -> 0.908; one CTA with
-  // the cluster kernel instead read 0.859 in bench_rowwise), 32768 0.832 -> 0.848, 65536
-  // 0.818 -> 0.815; log_softmax_ at 16384 (from the shared path) 0.833 -> 0.885. To clone's
-  // bandwidth (bench_rowwise against earlier sweeps): 131072 0.79 -> 0.81, and rows of
-  // 262144, which no 16-CTA cluster held with 32 and were streamed, 0.56 -> 0.76. Rows that
-  // 32 per thread hold lost with 64 (softmax_ 0.925 -> 0.870 at 2048, 0.907 -> 0.899 at
-  // 8192; log_softmax_ 0.918 -> 0.889 at 8192), so kResidentElems stays 32.
-  static constexpr int kClusterElems = sizeof(T) == 2 ? 2 * kSoftmaxElems : kSoftmaxElems;
+  // Elements per thread on Path::kWideRegisters (rows that one CTA holds only with more than
+  // kResidentElems, for every softmax, cluster_registers() or not) and
+  // Path::kWideRegisterCluster (rows that no cluster holds with kResidentElems): a 16-bit
+  // thread holds 64 there, packed, as 32 registers each of y and dy, so that a CTA holds
+  // 16384 and a cluster 262144. H100, 2^26 elements, bf16 backward, ratio to clone's
+  // bandwidth (bench_rowwise, against the sweeps before): softmax_ at N = 16384 0.867 ->
+  // 0.902 (fp16 0.869 -> 0.911; with the cluster kernel launched as one CTA, 0.859),
+  // log_softmax_ at 16384 (from the shared path) 0.842 -> 0.895, softmax_ at 262144
+  // (streamed before) 0.56 -> 0.76. Clusters of 64 per thread at 32768-131072 read -3% to
+  // +2% against those of 32, within what the same arm read from turn to turn in one A/B
+  // (2-4%): not taken. Rows that 32 per thread hold lost with 64 (softmax_ 0.925 -> 0.870
+  // at 2048, 0.907 -> 0.899 at 8192; log_softmax_ 0.918 -> 0.889 at 8192, in an A/B against
+  // y + dy into a third tensor), so kResidentElems stays 32.
+  static constexpr int kWideElems = sizeof(T) == 2 ? 2 * kSoftmaxElems : kSoftmaxElems;
   static constexpr int kColumnValues = 0;
   template <Path>
   static constexpr bool kCacheColumns = false;
@@ -433,8 +443,10 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   constexpr bool kShared = kPath == Path::kShared;
   static_assert(!kShared || VEC > 1, "the shared path stages 16-byte vectors");
   // Whether a row may span a cluster's CTAs here (the launcher gives the others cluster == 1).
-  constexpr bool kClusters = kShared || kPath == Path::kRegisterCluster;
-  static_assert((kPath != Path::kRegisterCluster && kPath != Path::kWideRegisters) ||
+  constexpr bool kClusters =
+      kShared || kPath == Path::kRegisterCluster || kPath == Path::kWideRegisterCluster;
+  static_assert((kPath != Path::kRegisterCluster && kPath != Path::kWideRegisters &&
+                 kPath != Path::kWideRegisterCluster) ||
                     Op::kClusterRegisters,
                 "the op keeps its rows in shared memory");
   // Register rows whose next row is prefetched into shared memory.
@@ -833,10 +845,11 @@ __global__ void __launch_bounds__(kMaxThreads)
 // ---------------------------------------------------------------------------- host side
 
 // The path, threads per row group and CTA, and CTAs per row, for rows of `vecs` vectors:
-// registers (reg_nv vectors per thread) where a CTA's hold the row, or cluster_nv (0: the op
-// has no such paths) where only those do; else (cluster_registers) the registers of as few
-// CTAs as hold it with cluster_nv each, or (otherwise) their shared memory (shared_nv per
-// thread), up to `max_cluster` CTAs (0: neither), else streamed.
+// registers (reg_nv vectors per thread) where a CTA's hold the row, or wide_nv (0: the op
+// has no wide paths) where only those do; else (cluster_registers) the registers of as few
+// CTAs as hold it with reg_nv each, or wide_nv where reg_nv needs more than max_cluster, or
+// (otherwise) their shared memory (shared_nv per thread), up to `max_cluster` CTAs (0:
+// none), else streamed.
 struct Shape {
   int threads = 0;  // CTA size
   int tpr = 0;      // threads per row (a divisor of threads; on a cluster, the CTA's share)
@@ -844,7 +857,7 @@ struct Shape {
   Path path = Path::kRegisters;
 };
 
-Shape pick_shape(int64_t vecs, int reg_nv, int cluster_nv, int shared_nv, int max_cluster,
+Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_cluster,
                  bool cluster_registers) {
   Shape s;
   if (vecs <= int64_t{kWarpSize} * reg_nv) {
@@ -863,15 +876,19 @@ Shape pick_shape(int64_t vecs, int reg_nv, int cluster_nv, int shared_nv, int ma
   // As few full CTAs as hold the row (any count: a power of two would leave up to half of
   // them idle), or streamed.
   s.threads = s.tpr = kMaxThreads;
-  if (cluster_nv > reg_nv && max_cluster > 0 && vecs <= int64_t{kMaxThreads} * cluster_nv) {
+  const bool wide = wide_nv > reg_nv && max_cluster > 0;
+  if (wide && vecs <= int64_t{kMaxThreads} * wide_nv) {
     s.path = Path::kWideRegisters;
     return s;
   }
-  const int64_t ctas =
-      ceil_div(vecs, int64_t{kMaxThreads} * (cluster_registers ? cluster_nv : shared_nv));
+  int64_t ctas = ceil_div(vecs, int64_t{kMaxThreads} * (cluster_registers ? reg_nv : shared_nv));
+  s.path = cluster_registers ? Path::kRegisterCluster : Path::kShared;
+  if (cluster_registers && wide && ctas > max_cluster) {
+    ctas = ceil_div(vecs, int64_t{kMaxThreads} * wide_nv);
+    s.path = Path::kWideRegisterCluster;
+  }
   if (ctas <= max_cluster) {
     s.cluster = static_cast<int>(ctas);
-    s.path = cluster_registers ? Path::kRegisterCluster : Path::kShared;
   } else {
     s.path = Path::kStream;
   }
@@ -903,6 +920,7 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
 using Registers = std::integral_constant<Path, Path::kRegisters>;
 using WideRegisters = std::integral_constant<Path, Path::kWideRegisters>;
 using RegisterCluster = std::integral_constant<Path, Path::kRegisterCluster>;
+using WideRegisterCluster = std::integral_constant<Path, Path::kWideRegisterCluster>;
 using Shared = std::integral_constant<Path, Path::kShared>;
 
 // How a backward pass is launched: the vector width, the thread shape and the grid.
@@ -947,7 +965,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   const int vec = l.vec ? kVec<T> : 1;
   const bool params = param_arrays > 0;
   l.shape = pick_shape(ceil_div(n, vec), path_nv<Op>(Path::kRegisters, vec, params),
-                       Op::kClusterRegisters ? path_nv<Op>(Path::kRegisterCluster, vec, params) : 0,
+                       Op::kClusterRegisters ? path_nv<Op>(Path::kWideRegisters, vec, params) : 0,
                        path_nv<Op>(Path::kShared, vec, params),
                        !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1, cluster_registers);
   // Row groups (CTAs or clusters) the grid may hold.
@@ -971,8 +989,10 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
           return resident_backward_units<Op, T, kVec<T>, kPath, kParams, kCache>(
               device, threads, cluster, sm_count);
       };
-      if constexpr (has_wide_registers<Op>())
+      if constexpr (has_wide_registers<Op>()) {
         if (l.shape.path == Path::kWideRegisters) return on(WideRegisters{});
+        if (l.shape.path == Path::kWideRegisterCluster) return on(WideRegisterCluster{});
+      }
       if constexpr (Op::kClusterRegisters)
         if (l.shape.path == Path::kRegisterCluster) return on(RegisterCluster{});
       return l.shape.path == Path::kShared ? on(Shared{}) : on(Registers{});
@@ -1080,8 +1100,11 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
         if (l.shape.path == Path::kRegisters) return resident(Registers{}, std::true_type{});
     }
     if (l.shape.path == Path::kShared) return resident(Shared{}, std::false_type{});
-    if constexpr (has_wide_registers<Op>())
+    if constexpr (has_wide_registers<Op>()) {
       if (l.shape.path == Path::kWideRegisters) return resident(WideRegisters{}, std::false_type{});
+      if (l.shape.path == Path::kWideRegisterCluster)
+        return resident(WideRegisterCluster{}, std::false_type{});
+    }
     if constexpr (Op::kClusterRegisters)
       if (l.shape.path == Path::kRegisterCluster)
         return resident(RegisterCluster{}, std::false_type{});
