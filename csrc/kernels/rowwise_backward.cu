@@ -67,16 +67,16 @@ enum class Path {
 };
 
 // Elements (Path::kRegisters) or vectors (Path::kShared) per thread. Registers: softmax's y
-// and grad take 32 registers each in fp32 (16-bit types take 64 elements there on
-// the wide paths, see SoftmaxBackwardOp::kWideElems); norms read weight and bias along, and with grad_weight /
-// grad_bias keep 2 fp32 sums per element a thread owns: kParamElems. Shared memory bounds
-// Path::kShared's rows, not registers: kStagedVectors of y and dy per thread and buffer, 64
-// KiB per CTA of kMaxThreads with both buffers, so that two CTAs fit on an SM (H100: 228 KiB;
-// their shares of a row are then 4096 fp32 / 8192 16-bit elements); registers hold a vector
-// at a time there, but for the parameter gradient sums (kParamElems again; norms take as
-// many without them too, which leaves room for their column cache). Scalar rows
-// (VEC 1) sit in registers, kScalarNV elements. Streaming: kStreamElems per step, fewer than
-// registers would take, to avoid spills.
+// and grad take 32 registers each in fp32 (16-bit types take 64 elements there on the wide
+// paths, see SoftmaxBackwardOp::kWideElems); norms read weight and bias along, and with
+// grad_weight / grad_bias keep 2 fp32 sums per element a thread owns: kParamElems. Shared
+// memory bounds Path::kShared's rows, not registers: kStagedVectors of y and dy per thread and
+// buffer, 64 KiB per CTA of kMaxThreads with both buffers, so that two CTAs fit on an SM
+// (H100: 228 KiB; their shares of a row are then 4096 fp32 / 8192 16-bit elements);
+// registers hold a vector at a time there, but for the parameter gradient sums (kParamElems
+// again; norms take as many without them too, which leaves room for their column cache).
+// Scalar rows (VEC 1) sit in registers, kScalarNV elements. Streaming: kStreamElems per
+// step, fewer than registers would take, to avoid spills.
 constexpr int kSoftmaxElems = 32;
 constexpr int kParamElems = 16;
 constexpr int kStagedVectors = 4;
@@ -166,11 +166,14 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // bandwidth (bench_rowwise, against the sweeps before): softmax_ at N = 16384 0.867 ->
   // 0.902 (fp16 0.869 -> 0.911; with the cluster kernel launched as one CTA, 0.859),
   // log_softmax_ at 16384 (from the shared path) 0.842 -> 0.895, softmax_ at 262144
-  // (streamed before) 0.56 -> 0.76. Clusters of 64 per thread at 32768-131072 read -3% to
-  // +2% against those of 32, within what the same arm read from turn to turn in one A/B
-  // (2-4%): not taken. Rows that 32 per thread hold lost with 64 (softmax_ 0.925 -> 0.870
-  // at 2048, 0.907 -> 0.899 at 8192; log_softmax_ 0.918 -> 0.889 at 8192, in an A/B against
-  // y + dy into a third tensor), so kResidentElems stays 32.
+  // (streamed before) 0.56 -> 0.76. Clusters of 64 per thread at 32768-131072 read -4% to
+  // +3% against those of 32 (sweeps on three machines), and an A/B in one build could not
+  // tell them apart (the same arm read 2-4% apart from turn to turn): not taken. 16-bit
+  // log_softmax_ on clusters of 64 per thread lost 5-7% against the shared path at
+  // 32768-131072 (the same A/B, 1-1.5% between identical arms). Rows that 32 per thread hold
+  // lost with 64 (softmax_ 0.925 -> 0.870 at 2048, 0.907 -> 0.899 at 8192; log_softmax_
+  // 0.918 -> 0.889 at 8192, in an A/B against y + dy into a third tensor), so kResidentElems
+  // stays 32.
   static constexpr int kWideElems = sizeof(T) == 2 ? 2 * kSoftmaxElems : kSoftmaxElems;
   static constexpr int kColumnValues = 0;
   template <Path>
