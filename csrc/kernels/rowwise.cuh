@@ -824,8 +824,9 @@ template <class Op, typename T, int VEC, int NV, RowPath kPath,
           int kCached = Op::kParams * NV * held_steps(kPath)>
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
                            int sm_count, cudaStream_t stream) {
+  constexpr int kHeldNV = NV * held_steps(kPath);  // vectors a thread holds of a row
   if constexpr (kCached > 0) {
-    const int units = params_to_cache(op.params) * NV * held_steps(kPath) >= kCached
+    const int units = params_to_cache(op.params) * kHeldNV >= kCached
                           ? resident_units<Op, T, VEC, NV, kPath, kCached>(device, kMaxThreads,
                                                                            cluster, sm_count)
                           : 0;
@@ -833,7 +834,7 @@ cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int clus
         units >= resident_units<Op, T, VEC, NV, kPath, 0>(device, kMaxThreads, cluster, sm_count))
       return launch_row_kernel<Op, T, VEC, NV, kPath, kCached>(
           x, layout, op, kMaxThreads, kMaxThreads, cluster, device, sm_count, stream);
-    return launch_caching<Op, T, VEC, NV, kPath, fewer_cached(kCached, NV * held_steps(kPath))>(
+    return launch_caching<Op, T, VEC, NV, kPath, fewer_cached(kCached, kHeldNV)>(
         x, layout, op, cluster, device, sm_count, stream);
   } else {
     return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,

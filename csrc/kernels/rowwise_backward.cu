@@ -879,7 +879,7 @@ Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_c
   // As few full CTAs as hold the row (any count: a power of two would leave up to half of
   // them idle), or streamed.
   s.threads = s.tpr = kMaxThreads;
-  const bool wide = wide_nv > reg_nv && max_cluster > 0;
+  const bool wide = wide_nv > 0 && max_cluster > 0;
   if (wide && vecs <= int64_t{kMaxThreads} * wide_nv) {
     s.path = Path::kWideRegisters;
     return s;
@@ -967,8 +967,8 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   l.vec = aligned && n % kVec<T> == 0;
   const int vec = l.vec ? kVec<T> : 1;
   const bool params = param_arrays > 0;
-  l.shape = pick_shape(ceil_div(n, vec), path_nv<Op>(Path::kRegisters, vec, params),
-                       Op::kClusterRegisters ? path_nv<Op>(Path::kWideRegisters, vec, params) : 0,
+  const int wide_nv = has_wide_registers<Op>() ? path_nv<Op>(Path::kWideRegisters, vec, params) : 0;
+  l.shape = pick_shape(ceil_div(n, vec), path_nv<Op>(Path::kRegisters, vec, params), wide_nv,
                        path_nv<Op>(Path::kShared, vec, params),
                        !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1, cluster_registers);
   // Row groups (CTAs or clusters) the grid may hold.
