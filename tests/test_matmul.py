@@ -123,6 +123,47 @@ def test_zero_workspace_cluster_shapes(dtype, m, k):
                          with_bias=with_bias, mode="none")
 
 
+# The few-rows kernel (CUDA, fp16/bf16 with tensor cores, in every workspace mode): 1-16 rows,
+# K a multiple of 16 (x @ W) or 32 (x @ W^T) up to 4096, rows in 16-byte chunks. Blocks of 64
+# (x @ W) or 16 and 32 (x @ W^T) columns, so K = 1056 or 2080 leaves the last block part
+# outside W; 9-16 rows take two 8-row tiles, the second part empty; rows strided
+# (every_other_row) or of two leading dims (lead_permuted). Others (K = 4128, K = 1000, or
+# 48 with W^T) are left to the other kernels, tested the same way.
+@requires_cuda
+@settings(max_examples=examples(60))
+@given(lead=st.sampled_from([(1,), (3,), (8,), (9,), (16,), (2, 8), (4, 3)]),
+       k=st.sampled_from([16, 32, 48, 1024, 1056, 2080, 4096, 4128, 1000]),
+       transpose=st.booleans(), with_bias=st.booleans(), mode=st.sampled_from(["default", "none"]),
+       layout=st.sampled_from(["contiguous", "every_other_row", "lead_permuted"]),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16]), seed=seeds)
+def test_few_rows_shapes(lead, k, transpose, with_bias, mode, layout, dtype, seed):
+    check_matmul("cuda", dtype, lead, k, seed, transpose=transpose, with_bias=with_bias,
+                 mode=mode, layout=layout)
+
+
+# The few-rows kernel's cooperative launch captured in a CUDA graph and replayed.
+@requires_cuda
+def test_few_rows_in_cuda_graph():
+    m, k = 4, 1024
+    weight = randn((k, k), torch.bfloat16, "cuda", seed=1, scale=k**-0.5)
+    bias = randn((k,), torch.bfloat16, "cuda", seed=2)
+    static = randn((m, k), torch.bfloat16, "cuda", seed=3)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mti.square_matmul_(static, weight, bias, transpose=True)  # warm up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mti.square_matmul_(static, weight, bias, transpose=True)
+    for seed in (4, 5):
+        fresh = randn((m, k), torch.bfloat16, "cuda", seed=seed)
+        ref64, ref = _handshake_refs(fresh, weight, bias)
+        static.copy_(fresh)
+        graph.replay()
+        assert_accurate(static, ref, ref64, "the few-rows kernel replayed from a CUDA graph")
+
+
 # Shapes for the default path's handshake kernel (sm_90a builds on sm_90, 16-bit, rows evenly
 # spaced; CTAs write their tiles over x once every CTA of the same 128 rows has read them):
 # M of no tile size; K a multiple of 8 but not of 64 or 256 (the last k step and column tile

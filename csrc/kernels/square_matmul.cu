@@ -395,6 +395,246 @@ __global__ void __launch_bounds__(Tile::THREADS)
 }
 
 // ---------------------------------------------------------------------------------------
+// Few-rows kernel (fp16/bf16, sm_80+ and fp16 on sm_75; at most kFewRowsMax rows: decoding).
+//
+// With so few rows, x @ W is bound by reading W once, and the staging kernels' row blocks
+// would leave most of the GPU idle. Here every block owns BN = 16 * NA output columns of all
+// the rows: its warps split K among them, each streaming its share of the block's W columns
+// from global memory straight into mma.sync fragments (no shared memory, no cp.async), and x's
+// few rows come from L2. The warps' partial sums meet in shared memory; the grid (launched
+// cooperatively, every block resident) then syncs, since every block reads all of x, and
+// each block writes its columns over x. So the default path's cuBLAS GEMM into a fresh
+// output and its copy back become one kernel and no memory.
+//
+// The MMA computes out^T = Wv^T x^T as the staging kernel does: W the 16-row A operand
+// (rows = output columns j), x the 8-wide B operand (columns = x's rows n, MT tiles of 8).
+// A sum over k may take its terms in any order, so each thread loads 16-byte chunks of W and
+// x and feeds them to fragment slots of the k order that suits the load; A and B use the same
+// order. Fragment slots (g = lane / 4, q = lane % 4): a[0] (row g, k 2q and 2q + 1), a[1]
+// (row g + 8, same k), a[2] and a[3] (rows g, g + 8, k 2q + 8 and 2q + 9); b[0] (k 2q and
+// 2q + 1, column g), b[1] (k 2q + 8 and 2q + 9); d[0..1] (row g, columns 2q and 2q + 1),
+// d[2..3] (row g + 8).
+//
+// Where it applies: H100, bf16, against cuBLAS + copy_ (benchmarks/results/
+// square_matmul_overlap.md, stop 40): ahead up to K = 4096 by 0-30%, about 1% behind at
+// K = 8192 (kFewRowsMaxK); from 32 rows on (x's rows, read by every block, outweigh its W
+// columns) 10-80% behind, so up to 16 rows.
+constexpr int kFewRowsMax = 16;
+constexpr int kFewRowsMaxK = 4096;
+// Warps per block, chosen at launch (launch_few_rows): 4, 8 or 16.
+constexpr int kFewWarpsMin = 4, kFewWarpsMax = 16;
+
+// W rows and x rows of one step of a warp, and the MMAs on them. TRANS (W^T: W's row j is
+// Wv's column j, contiguous along k): a step covers 32 k; the thread loads 8 k from k0 + 8q
+// of W rows j0 + 16i + g and + 8 (tile i), and the same 8 k of x's row 8t + g (tile t); the
+// chunks' 32-bit words 2u and 2u + 1 feed slots k 2q.. and 2q + 8.. of the step's u-th MMA.
+// Output row r of tile i is column j0 + 16i + r.
+// Not TRANS (W's row k is contiguous along the output columns): a step covers 16 k; the
+// thread loads 2 NA columns from j0 + 2 NA g of W rows k0 + 4q + s (s = 0..3), and 4 k from
+// k0 + 4q of x's row 8t + g. Rows s = 0, 1 pair up (byte_perm) into slot k 2q.., rows 2, 3
+// into k 2q + 8..; of the pairs of column c, c = 2i goes to row g of tile i and c = 2i + 1 to
+// row g + 8: output row g + 8h of tile i is column j0 + 2 NA g + 2i + h.
+template <typename T, bool TRANS, int NA, int MT>
+struct FewRowsStep {
+  static constexpr int KS = TRANS ? 32 : 16;                  // k per step
+  static constexpr int W_LOADS = TRANS ? 2 * NA : 4;           // W chunks per thread
+  static constexpr int W_WORDS = TRANS ? 4 : NA;               // 32-bit words per W chunk
+  static constexpr int X_WORDS = TRANS ? 4 : 2;                // per x chunk
+  // Steps in flight per thread: as many as about 80 registers hold beside the accumulators.
+  static constexpr int kUnroll =
+      std::max(1, std::min(8, (80 - 4 * NA * MT) / (W_LOADS * W_WORDS + MT * X_WORDS)));
+  uint32_t w[W_LOADS][W_WORDS];
+  uint32_t x[MT][X_WORDS];
+
+  // A chunk where `in`, else dst unchanged. W through the read-only path; not x, which the
+  // kernel writes (after its last read).
+  template <bool READ_ONLY, int WORDS>
+  __device__ __forceinline__ static void load(uint32_t (&dst)[WORDS], const T* src, bool in) {
+    static_assert(WORDS == 2 || WORDS == 4, "8- or 16-byte chunks");
+    if (!in) return;
+    if constexpr (WORDS == 4) {
+      const auto* p = reinterpret_cast<const uint4*>(src);
+      const uint4 v = READ_ONLY ? __ldg(p) : *p;
+      dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
+    } else {
+      const auto* p = reinterpret_cast<const uint2*>(src);
+      const uint2 v = READ_ONLY ? __ldg(p) : *p;
+      dst[0] = v.x, dst[1] = v.y;
+    }
+  }
+
+  // Where this thread's chunks of step 0 start (nullptr: outside W or past x's last row,
+  // read as zeros), set once per block; step k0's are k0 further along x's rows and W's
+  // rows (TRANS) or k0 rows of W further (not TRANS).
+  struct Base {
+    const T* w[W_LOADS];
+    const T* x[MT];
+  };
+
+  __device__ __forceinline__ static Base base(const Args<T>& a, int j0, int g, int q) {
+    Base b;
+#pragma unroll
+    for (int l = 0; l < W_LOADS; ++l) {
+      // TRANS: W row j from k 8q; else W row 4q + l from column j.
+      const int j = TRANS ? j0 + 16 * (l / 2) + g + 8 * (l % 2) : j0 + 2 * NA * g;
+      b.w[l] = j >= a.k ? nullptr
+               : TRANS  ? a.w + static_cast<int64_t>(j) * a.k + 8 * q
+                        : a.w + static_cast<int64_t>(4 * q + l) * a.k + j;
+    }
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      const int n = 8 * t + g;
+      b.x[t] = n < a.rows ? a.x + a.row.offset(n) + (TRANS ? 8 : 4) * q : nullptr;
+    }
+    return b;
+  }
+
+  // Step at k0 (a multiple of KS; K is a multiple of KS, so a step is wholly inside K, or
+  // past it where `live` is false: nothing loaded, nor multiplied). Chunks outside W or x
+  // are never loaded and stay as zero() left them.
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int l = 0; l < W_LOADS; ++l)
+#pragma unroll
+      for (int v = 0; v < W_WORDS; ++v) w[l][v] = 0;
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int v = 0; v < X_WORDS; ++v) x[t][v] = 0;
+  }
+
+  __device__ __forceinline__ void fetch(const Args<T>& a, const Base& b, int k0, bool live) {
+    const int64_t w_off = TRANS ? k0 : static_cast<int64_t>(k0) * a.k;
+#pragma unroll
+    for (int l = 0; l < W_LOADS; ++l) load<true>(w[l], b.w[l] + w_off, live && b.w[l]);
+#pragma unroll
+    for (int t = 0; t < MT; ++t) load<false>(x[t], b.x[t] + k0, live && b.x[t]);
+  }
+
+  __device__ __forceinline__ void mma(float (&acc)[NA][MT][4]) const {
+    if constexpr (TRANS) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int i = 0; i < NA; ++i) {
+          const uint32_t af[4] = {w[2 * i][2 * u], w[2 * i + 1][2 * u], w[2 * i][2 * u + 1],
+                                  w[2 * i + 1][2 * u + 1]};
+#pragma unroll
+          for (int t = 0; t < MT; ++t) {
+            const uint32_t bf[2] = {x[t][2 * u], x[t][2 * u + 1]};
+            mma_16816<T>(acc[i][t], af, bf);
+          }
+        }
+    } else {
+#pragma unroll
+      for (int i = 0; i < NA; ++i) {
+        // Columns 2i (row g) and 2i + 1 (row g + 8) are the halves of word i: 0x5410 pairs
+        // the low halves of two words, 0x7632 the high ones (the first word's in the low
+        // half, the smaller k).
+        const uint32_t af[4] = {__byte_perm(w[0][i], w[1][i], 0x5410),
+                                __byte_perm(w[0][i], w[1][i], 0x7632),
+                                __byte_perm(w[2][i], w[3][i], 0x5410),
+                                __byte_perm(w[2][i], w[3][i], 0x7632)};
+#pragma unroll
+        for (int t = 0; t < MT; ++t) mma_16816<T>(acc[i][t], af, x[t]);
+      }
+    }
+  }
+
+  // The output column of accumulator row r (0..15) of tile i.
+  __device__ __forceinline__ static int column(int j0, int i, int r) {
+    return TRANS ? j0 + 16 * i + r : j0 + 2 * NA * (r % 8) + 2 * i + r / 8;
+  }
+};
+
+
+template <typename T, bool TRANS, int NA, int MT>
+__device__ __forceinline__ void few_rows_body(const Args<T>& a) {
+  using Step = FewRowsStep<T, TRANS, NA, MT>;
+  constexpr int BN = 16 * NA, U = Step::kUnroll, ACC = NA * MT * 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  const int j0 = blockIdx.x * BN;
+
+  const typename Step::Base base = Step::base(a, j0, g, q);
+  float acc[NA][MT][4] = {};
+  const int steps = a.k / Step::KS;
+  // Warp w takes steps w, w + warps, ...: the warps of a block read neighbouring k. U steps
+  // in flight: each step's registers are fetched again, U steps on, once its MMAs have
+  // issued.
+  Step st[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int s = warp + u * warps;
+    st[u].zero();
+    st[u].fetch(a, base, s * Step::KS, s < steps);
+  }
+  for (int s0 = warp; s0 < steps; s0 += U * warps) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (s0 + u * warps < steps) st[u].mma(acc);
+      const int s = s0 + (U + u) * warps;
+      st[u].fetch(a, base, s * Step::KS, s < steps);
+    }
+  }
+
+  // Partial sums of the warps, [warp][accumulator][lane]; thread e sums element e of every
+  // warp into warp 0's (the only thread to read or write it).
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* part = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int i = 0; i < NA; ++i)
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        part[(warp * ACC + (i * MT + t) * 4 + c) * 32 + lane] = acc[i][t][c];
+  __syncthreads();
+  for (int e = threadIdx.x; e < ACC * 32; e += blockDim.x) {
+    float sum = part[e];
+    for (int w = 1; w < warps; ++w) sum += part[w * ACC * 32 + e];
+    part[e] = sum;
+  }
+
+  // Every block has read all of x's rows once every block is here.
+  cg::this_grid().sync();
+  for (int e = threadIdx.x; e < ACC * 32; e += blockDim.x) {
+    // e = (accumulator index, lane of the thread that held it); accumulator (i, t, c):
+    // row g' + 8 (c / 2) of tile i, x row 8t + 2q' + c % 2, (g', q') of that lane.
+    const int l = e % 32, idx = e / 32;
+    const int c = idx % 4, t = idx / 4 % MT, i = idx / 4 / MT;
+    const int j = Step::column(j0, i, l / 4 + 8 * (c / 2));
+    const int n = 8 * t + 2 * (l % 4) + c % 2;
+    if (j < a.k && n < a.rows) {
+      const float v = a.bias ? part[e] + to_float(a.bias[j]) : part[e];
+      a.x[a.row.offset(n) + j] = from_float<T>(v);
+    }
+  }
+}
+
+template <typename T, bool TRANS, int NA, int MT>
+__global__ void __launch_bounds__(kFewWarpsMax * 32)
+    few_rows_kernel(const __grid_constant__ Args<T> a) {
+#if defined(__CUDA_ARCH__)
+  // The launcher never picks this kernel where it is compiled empty.
+  constexpr bool kSupported = std::is_same_v<T, __nv_bfloat16> ? __CUDA_ARCH__ >= 800
+                                                                : __CUDA_ARCH__ >= 750;
+#else
+  constexpr bool kSupported = true;
+#endif
+  if constexpr (kSupported)
+    few_rows_body<T, TRANS, NA, MT>(a);
+  else
+    __trap();
+}
+
+// Shared memory of few_rows_kernel: the warps' partial sums.
+template <int NA, int MT>
+constexpr size_t few_rows_smem(int warps) {
+  return static_cast<size_t>(warps) * NA * MT * 4 * 32 * sizeof(float);
+}
+
+// ---------------------------------------------------------------------------------------
 // Streaming kernel (fp16/bf16, sm_90): stages the block's outputs instead of its inputs.
 //
 // A cluster of `cluster` blocks owns BM whole rows. Block r of the cluster computes output
@@ -1930,6 +2170,75 @@ cudaError_t launch_handshake(Args<T> a, int* counters, cudaStream_t stream) {
   return err == cudaSuccess ? cudaGetLastError() : err;
 }
 
+// Few-rows kernel: blocks of few_rows_kernel<T, TRANS, NA, MT> of `warps` warps resident at
+// once on the current device (0: none), asked once per device and block size after raising
+// the kernel's shared memory limit to what its largest blocks need (which launch_few_rows
+// relies on).
+template <typename T, bool TRANS, int NA, int MT>
+int few_rows_resident(int warps) {
+  constexpr int kSizes = 3;  // 4, 8, 16 warps
+  static std::atomic<int> cache[kMaxDevices][kSizes];  // resident blocks + 1; 0: not asked yet
+  const int size = warps == 4 ? 0 : warps == 8 ? 1 : 2;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  std::atomic<int>* slot = device < kMaxDevices ? &cache[device][size] : nullptr;
+  int resident = slot != nullptr ? slot->load(std::memory_order_relaxed) - 1 : -1;
+  if (resident < 0) {
+    const auto kernel = &few_rows_kernel<T, TRANS, NA, MT>;
+    const size_t smem = few_rows_smem<NA, MT>(warps);
+    const size_t most = few_rows_smem<NA, MT>(kFewWarpsMax);
+    int per_sm = 0, sms = 0;
+    resident = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(most)) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem) ==
+            cudaSuccess &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
+      resident = per_sm * sms;
+    cudaGetLastError();
+    if (slot != nullptr) slot->store(resident + 1, std::memory_order_relaxed);
+  }
+  return resident;
+}
+
+// A cooperative launch of one block per BN columns, with as many warps per block (halving
+// from kFewWarpsMax) as keep the grid within about 16 warps per multiprocessor (more split K
+// finer, fewer let more blocks fit at once); cudaErrorCooperativeLaunchTooLarge, launching
+// nothing, where the blocks do not all fit at once even with kFewWarpsMin warps.
+template <typename T, bool TRANS, int NA, int MT>
+cudaError_t launch_few_rows(Args<T> a, int num_sms, cudaStream_t stream) {
+  const int64_t grid = ceil_div(a.k, 16 * NA);
+  int warps = kFewWarpsMax;
+  while (warps > kFewWarpsMin && grid * warps > 16 * num_sms) warps /= 2;
+  while (warps >= kFewWarpsMin && grid > few_rows_resident<T, TRANS, NA, MT>(warps)) warps /= 2;
+  if (warps < kFewWarpsMin) return cudaErrorCooperativeLaunchTooLarge;
+  void* params[] = {&a};
+  const cudaError_t err = cudaLaunchCooperativeKernel(
+      reinterpret_cast<const void*>(&few_rows_kernel<T, TRANS, NA, MT>),
+      dim3(static_cast<unsigned>(grid)), dim3(warps * 32), params,
+      few_rows_smem<NA, MT>(warps), stream);
+  return err == cudaSuccess ? cudaGetLastError() : err;
+}
+
+// The block's 16-column tiles NA. Not TRANS: 4, each thread's W loads 16-byte chunks (with 2,
+// 8-byte chunks in twice the blocks: slower from K = 4096, H100). TRANS: 1, the most blocks,
+// or 2 where those do not all fit at once.
+template <typename T, bool TRANS>
+cudaError_t launch_few_rows_any(const Args<T>& a, int num_sms, cudaStream_t stream) {
+  const auto with_na = [&](auto na) {
+    constexpr int NA = decltype(na)::value;
+    return a.rows <= 8 ? launch_few_rows<T, TRANS, NA, 1>(a, num_sms, stream)
+                       : launch_few_rows<T, TRANS, NA, 2>(a, num_sms, stream);
+  };
+  if constexpr (!TRANS) {
+    return with_na(std::integral_constant<int, 4>{});
+  } else {
+    const cudaError_t err = with_na(std::integral_constant<int, 1>{});
+    return err == cudaErrorCooperativeLaunchTooLarge ? with_na(std::integral_constant<int, 2>{})
+                                                     : err;
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -1973,6 +2282,26 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
   }
   return transpose ? launch_family<T, true>(FmaTiles{}, a, d, stream)
                    : launch_family<T, false>(FmaTiles{}, a, d, stream);
+}
+
+template <typename T>
+cudaError_t square_matmul_few_rows(T* x, const RowLayout& layout, const T* w, const T* bias,
+                                   bool transpose, cudaStream_t stream) {
+  if constexpr (sizeof(T) != 2) {
+    return cudaErrorNotSupported;  // asked on every call: no device queries for other types
+  } else {
+    // K in whole steps (FewRowsStep::KS), and no more than kFewRowsMaxK.
+    if (layout.rows < 1 || layout.rows > kFewRowsMax || layout.n == 0 ||
+        layout.n > kFewRowsMaxK || layout.n % (transpose ? 32 : 16) != 0)
+      return cudaErrorNotSupported;
+    DeviceInfo d;
+    const cudaError_t err = device_info(&d);
+    if (err != cudaSuccess) return err;
+    const Args<T> a = make_args(x, layout, w, bias, /*mma=*/true);
+    if (!use_tensor_cores<T>(d) || !d.coop || !a.x_vec || !a.w_vec) return cudaErrorNotSupported;
+    return transpose ? launch_few_rows_any<T, true>(a, d.num_sms, stream)
+                     : launch_few_rows_any<T, false>(a, d.num_sms, stream);
+  }
 }
 
 template <typename T>
@@ -2028,6 +2357,8 @@ template cudaError_t square_matmul_zero_ws_max_k<__half>(int64_t*);
 template cudaError_t square_matmul_zero_ws_max_k<__nv_bfloat16>(int64_t*);
 
 #define MTI_INSTANTIATE_HANDSHAKE(T)                                                       \
+  template cudaError_t square_matmul_few_rows<T>(T*, const RowLayout&, const T*, const T*,   \
+                                                 bool, cudaStream_t);                       \
   template int64_t square_matmul_handshake_counters<T>(const T*, const RowLayout&, const T*, \
                                                        bool);                                \
   template cudaError_t square_matmul_handshake<T>(T*, const RowLayout&, const T*, const T*, \

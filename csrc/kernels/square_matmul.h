@@ -31,6 +31,17 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
 template <typename T>
 cudaError_t square_matmul_zero_ws_max_k(int64_t* max_k);
 
+// Every path's kernel for fp16/bf16 with 1 to 16 rows (decoding) on GPUs with their tensor
+// cores, where K is at most 4096 and a multiple of 16 (x @ W) or 32 (x @ W^T) and x's rows
+// and W are in 16-byte chunks: blocks of output columns over all the rows, bound by reading
+// W once, which write over x after a grid-wide sync; no memory beyond x, W and bias.
+// Arguments as square_matmul_zero_ws's. Returns cudaErrorNotSupported, or
+// cudaErrorCooperativeLaunchTooLarge (its blocks would not all be resident at once, as under
+// MPS), launching nothing, where it does not apply; otherwise the launch's error.
+template <typename T>
+cudaError_t square_matmul_few_rows(T* x, const RowLayout& layout, const T* w, const T* bias,
+                                   bool transpose, cudaStream_t stream);
+
 // The default path's kernel on sm_90 (sm_90a builds), for fp16/bf16 where the warpgroup
 // kernel applies and the rows fill at least half of the GPU: an ordinary GEMM whose CTAs
 // write their output tiles over x once every CTA of the same rows has read them, which they
