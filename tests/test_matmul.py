@@ -123,12 +123,13 @@ def test_zero_workspace_cluster_shapes(dtype, m, k):
                          with_bias=with_bias, mode="none")
 
 
-# The few-rows kernel (CUDA, fp16/bf16 with tensor cores, in every workspace mode): 1-16 rows,
-# K a multiple of 16 (x @ W) or 32 (x @ W^T) up to 4096, rows in 16-byte chunks. Blocks of 64
-# (x @ W) or 16 and 32 (x @ W^T) columns, so K = 1056 or 2080 leaves the last block part
-# outside W; 9-16 rows take two 8-row tiles, the second part empty; rows strided
-# (every_other_row) or of two leading dims (lead_permuted). Others (K = 4128, K = 1000, or
-# 48 with W^T) are left to the other kernels, tested the same way.
+# The few-rows kernel (CUDA, fp16/bf16 with tensor cores; with no workspace, and in the default
+# mode for x @ W^T and for x @ W up to 8 rows): 1-16 rows, K a multiple of 16 (x @ W) or 32
+# (x @ W^T) up to 4096, rows in 16-byte chunks. Blocks of 64 (x @ W) or 16 (x @ W^T) columns,
+# so K = 1056 or 2080 leaves the last block part outside W; 9-16 rows take two 8-row tiles,
+# the second part empty; rows strided (every_other_row) or of two leading dims
+# (lead_permuted). The others (K = 4128, K = 1000, 48 with W^T, x @ W of 9-16 rows in the
+# default mode) run the other kernels, tested the same way.
 @requires_cuda
 @settings(max_examples=examples(60))
 @given(lead=st.sampled_from([(1,), (3,), (8,), (9,), (16,), (2, 8), (4, 3)]),

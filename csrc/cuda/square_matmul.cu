@@ -1,7 +1,8 @@
 // CUDA host side of square_matmul_: x[..., K] <- x @ W (or x @ W^T) + bias, over x.
 //
 // Every mode, fp16/bf16 with 1-16 rows where they suit it: the few-rows kernel of
-// kernels/square_matmul.cu, which needs no memory at all.
+// kernels/square_matmul.cu, which needs no memory at all (in the default mode only where it
+// is faster than cuBLAS plus the copy back below).
 // Default: on sm_90 (sm_90a builds), for fp16/bf16 with rows enough to fill half of the GPU,
 // the handshake kernel of kernels/square_matmul.cu, whose workspace is one int per 128
 // rows, kept for the stream (handshake_counters) (H100, fp16/bf16, M >= 4096: 0.74-1.07x
@@ -192,16 +193,20 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   // every path, before anything is written.
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
     using T = typename DeviceType<scalar_t>::type;
-    // Up to 16 rows (decoding): one kernel that needs no workspace, in every mode.
-    const cudaError_t few = square_matmul_few_rows<T>(
-        device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
-        plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose, stream);
-    if (few != cudaErrorNotSupported && few != cudaErrorCooperativeLaunchTooLarge) {
-      C10_CUDA_CHECK(few);
-      return;
-    }
-    (void)cudaGetLastError();
     const int64_t budget = allocatable_bytes(workspace_bytes);
+    // Up to 16 rows (decoding): the few-rows kernel, which needs no memory, unless the
+    // workspace holds the output and cuBLAS plus the copy back is faster.
+    if (budget < plan.x.rows * plan.k * x.element_size() ||
+        square_matmul_few_rows_faster(plan.x.rows, plan.transpose)) {
+      const cudaError_t few = square_matmul_few_rows<T>(
+          device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
+          plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose, stream);
+      if (few != cudaErrorNotSupported && few != cudaErrorCooperativeLaunchTooLarge) {
+        C10_CUDA_CHECK(few);
+        return;
+      }
+      (void)cudaGetLastError();
+    }
     const int64_t counters = square_matmul_handshake_counters<T>(
         device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight), plan.transpose);
     // The counters come from the caching allocator like any workspace, so they count

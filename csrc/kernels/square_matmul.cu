@@ -415,10 +415,11 @@ __global__ void __launch_bounds__(Tile::THREADS)
 // 2q + 1, column g), b[1] (k 2q + 8 and 2q + 9); d[0..1] (row g, columns 2q and 2q + 1),
 // d[2..3] (row g + 8).
 //
-// Where it applies: H100, bf16, against cuBLAS + copy_ (benchmarks/results/
-// square_matmul_overlap.md, stop 40): ahead up to K = 4096 by 0-30%, about 1% behind at
-// K = 8192 (kFewRowsMaxK); from 32 rows on (x's rows, read by every block, outweigh its W
-// columns) 10-80% behind, so up to 16 rows.
+// Where it applies: H100, fp16/bf16, against cuBLAS + copy_ (benchmarks/results/
+// square_matmul_overlap.md, stop 40): x @ W^T 0-29% faster up to K = 4096, x @ W with up to 8
+// rows -4% to +10%, with 9-16 rows 4-12% slower at K = 1024-2048 (its blocks of 64 columns
+// are few there); about 1% slower than cuBLAS at K = 8192 (kFewRowsMaxK), and 10-80% from 32
+// rows on (x's rows, read by every block, outweigh its W columns), so up to 16 rows.
 constexpr int kFewRowsMax = 16;
 constexpr int kFewRowsMaxK = 4096;
 // Warps per block, chosen at launch (launch_few_rows): 4, 8 or 16.
@@ -1440,19 +1441,52 @@ __global__ void wgmma_probe_kernel(int* out) {
 #endif
 }
 
-// Asked once per device: the answer cannot change while the process runs.
-bool has_wgmma() {
-  static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet, 1: no, 2: yes
+// f(device) (an int >= 0) for the current device, asked once per device: the answers cannot
+// change while the process runs. `cache` holds answer + 1 per device, 0 where not asked yet
+// (devices past kMaxDevices are asked every time). 0 where the current device is unknown.
+template <class F>
+int once_per_device(std::atomic<int> (&cache)[kMaxDevices], F&& f) {
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
   std::atomic<int>* slot = device < kMaxDevices ? &cache[device] : nullptr;
-  if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
-    return slot->load(std::memory_order_relaxed) == 2;
-  cudaFuncAttributes attr{};
-  const bool has = cudaFuncGetAttributes(&attr, wgmma_probe_kernel) == cudaSuccess &&
-                   attr.sharedSizeBytes > 0;
-  if (slot != nullptr) slot->store(has ? 2 : 1, std::memory_order_relaxed);
-  return has;
+  const int known = slot != nullptr ? slot->load(std::memory_order_relaxed) : 0;
+  if (known != 0) return known - 1;
+  const int answer = f(device);
+  cudaGetLastError();  // a failed query's error is its answer, not the caller's
+  if (slot != nullptr) slot->store(answer + 1, std::memory_order_relaxed);
+  return answer;
+}
+
+// Blocks of `kernel`, launched as `cfg` in clusters of `cluster` blocks (cfg's attribute where
+// above 1), resident at once on `device`; 0 where that cannot be told. Raises the kernel's
+// shared memory limit to `smem_limit` first (which its launches rely on).
+template <class Kernel>
+int resident_blocks(Kernel kernel, const cudaLaunchConfig_t& cfg, int cluster, size_t smem_limit,
+                    int device) {
+  int per_sm = 0, sms = 0, clusters = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem_limit)) != cudaSuccess)
+    return 0;
+  if (cluster > 1)
+    return cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess
+               ? clusters * cluster
+               : 0;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+             &per_sm, kernel, static_cast<int>(cfg.blockDim.x), cfg.dynamicSmemBytes) ==
+                 cudaSuccess &&
+             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) ==
+                 cudaSuccess
+         ? per_sm * sms
+         : 0;
+}
+
+bool has_wgmma() {
+  static std::atomic<int> cache[kMaxDevices];
+  return once_per_device(cache, [](int) {
+           cudaFuncAttributes attr{};
+           return cudaFuncGetAttributes(&attr, wgmma_probe_kernel) == cudaSuccess &&
+                  attr.sharedSizeBytes > 0;
+         }) == 1;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1821,23 +1855,18 @@ cudaError_t stream_config(size_t smem, int cluster, int64_t row_blocks, cudaStre
 template <typename T, bool TRANS, class Tile>
 int64_t resident_clusters(int cluster, size_t smem) {
   static_assert(Tile::kBlocksPerSm == 1, "occupancy cached per cluster size only");
-  static std::atomic<int> cache[kMaxDevices][Tile::kMaxCluster + 1];  // answer + 1
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  std::atomic<int>* slot = device < kMaxDevices ? &cache[device][cluster] : nullptr;
-  if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
-    return slot->load(std::memory_order_relaxed) - 1;
-  cudaLaunchAttribute attr;
-  cudaLaunchConfig_t cfg;
-  int clusters = 0;
-  if (stream_config<T, TRANS, Tile>(smem, cluster, 1, nullptr, &attr, &cfg) != cudaSuccess ||
-      cudaOccupancyMaxActiveClusters(&clusters, stream_kernel_of<T, TRANS>(Tile{}), &cfg) !=
-          cudaSuccess) {
-    cudaGetLastError();  // a cluster size the device refuses: not an error of the op
-    clusters = 0;
-  }
-  if (slot != nullptr) slot->store(clusters + 1, std::memory_order_relaxed);
-  return clusters;
+  static std::atomic<int> cache[Tile::kMaxCluster + 1][kMaxDevices];
+  return once_per_device(cache[cluster], [&](int) {
+    cudaLaunchAttribute attr;
+    cudaLaunchConfig_t cfg;
+    int clusters = 0;
+    // A cluster size the device refuses: none resident, not an error of the op.
+    return stream_config<T, TRANS, Tile>(smem, cluster, 1, nullptr, &attr, &cfg) == cudaSuccess &&
+                   cudaOccupancyMaxActiveClusters(&clusters, stream_kernel_of<T, TRANS>(Tile{}),
+                                                  &cfg) == cudaSuccess
+               ? clusters
+               : 0;
+  });
 }
 
 // The cheapest split of the column tiles among the blocks of a cluster: waves of the clusters
@@ -2100,32 +2129,13 @@ inline int64_t handshake_row_blocks(int64_t rows) {
 template <typename T, bool TRANS, class Tile>
 int handshake_grid(int k) {
   constexpr int C = Tile::kWParts;
-  static std::atomic<int> cache[kMaxDevices];  // resident clusters + 1; 0: not asked yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  std::atomic<int>* slot = device < kMaxDevices ? &cache[device] : nullptr;
-  int resident = slot != nullptr ? slot->load(std::memory_order_relaxed) - 1 : -1;
-  if (resident < 0) {
-    const auto kernel = handshake_kernel_of<T, TRANS, Tile>();
-    int per_sm = 0, sms = 0;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(Tile::kSmem)) != cudaSuccess) {
-      resident = 0;
-    } else if constexpr (C > 1) {
-      cudaLaunchAttribute attrs[2];
-      const cudaLaunchConfig_t cfg = handshake_config<Tile>(C, nullptr, attrs);
-      if (cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg) != cudaSuccess) resident = 0;
-    } else if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tile::THREADS,
-                                                             Tile::kSmem) != cudaSuccess ||
-               cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
-                   cudaSuccess) {
-      resident = 0;
-    } else {
-      resident = per_sm * sms;
-    }
-    cudaGetLastError();
-    if (slot != nullptr) slot->store(resident + 1, std::memory_order_relaxed);
-  }
+  static std::atomic<int> cache[kMaxDevices];  // resident clusters
+  const int resident = once_per_device(cache, [](int device) {
+    cudaLaunchAttribute attrs[2];
+    const cudaLaunchConfig_t cfg = handshake_config<Tile>(C, nullptr, attrs);
+    return resident_blocks(handshake_kernel_of<T, TRANS, Tile>(), cfg, C, Tile::kSmem, device) /
+           C;
+  });
   const int col_tiles = handshake_col_tiles(k);
   return resident / col_tiles * col_tiles * C;
 }
@@ -2170,53 +2180,51 @@ cudaError_t launch_handshake(Args<T> a, int* counters, cudaStream_t stream) {
   return err == cudaSuccess ? cudaGetLastError() : err;
 }
 
-// Few-rows kernel: blocks of few_rows_kernel<T, TRANS, NA, MT> of `warps` warps resident at
-// once on the current device (0: none), asked once per device and block size after raising
-// the kernel's shared memory limit to what its largest blocks need (which launch_few_rows
-// relies on).
+// Few-rows kernel: a cooperative launch of `grid` blocks of `warps` warps.
+template <int NA, int MT>
+cudaLaunchConfig_t few_rows_config(int64_t grid, int warps, cudaStream_t stream,
+                                   cudaLaunchAttribute (&attr)[1]) {
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(warps * 32);
+  cfg.dynamicSmemBytes = few_rows_smem<NA, MT>(warps);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Blocks of few_rows_kernel<T, TRANS, NA, MT> of `warps` warps (4, 8 or 16) resident at once
+// on the current device.
 template <typename T, bool TRANS, int NA, int MT>
 int few_rows_resident(int warps) {
-  constexpr int kSizes = 3;  // 4, 8, 16 warps
-  static std::atomic<int> cache[kMaxDevices][kSizes];  // resident blocks + 1; 0: not asked yet
-  const int size = warps == 4 ? 0 : warps == 8 ? 1 : 2;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  std::atomic<int>* slot = device < kMaxDevices ? &cache[device][size] : nullptr;
-  int resident = slot != nullptr ? slot->load(std::memory_order_relaxed) - 1 : -1;
-  if (resident < 0) {
-    const auto kernel = &few_rows_kernel<T, TRANS, NA, MT>;
-    const size_t smem = few_rows_smem<NA, MT>(warps);
-    const size_t most = few_rows_smem<NA, MT>(kFewWarpsMax);
-    int per_sm = 0, sms = 0;
-    resident = 0;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(most)) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem) ==
-            cudaSuccess &&
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
-      resident = per_sm * sms;
-    cudaGetLastError();
-    if (slot != nullptr) slot->store(resident + 1, std::memory_order_relaxed);
-  }
-  return resident;
+  static std::atomic<int> cache[3][kMaxDevices];
+  return once_per_device(cache[warps == 4 ? 0 : warps == 8 ? 1 : 2], [&](int device) {
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t cfg = few_rows_config<NA, MT>(1, warps, nullptr, attr);
+    return resident_blocks(&few_rows_kernel<T, TRANS, NA, MT>, cfg, 1,
+                           few_rows_smem<NA, MT>(kFewWarpsMax), device);
+  });
 }
 
 // A cooperative launch of one block per BN columns, with as many warps per block (halving
 // from kFewWarpsMax) as keep the grid within about 16 warps per multiprocessor (more split K
 // finer, fewer let more blocks fit at once); cudaErrorCooperativeLaunchTooLarge, launching
-// nothing, where the blocks do not all fit at once even with kFewWarpsMin warps.
+// nothing, where the blocks do not all fit at once even with kFewWarpsMin warps. (Splitting
+// K further, over clusters of 2-8 blocks that summed their partial sums in one block's
+// shared memory, ran 3-45% slower at K = 1024-4096: H100, bf16, 1 and 16 rows.)
 template <typename T, bool TRANS, int NA, int MT>
-cudaError_t launch_few_rows(Args<T> a, int num_sms, cudaStream_t stream) {
+cudaError_t launch_few_rows(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
   const int64_t grid = ceil_div(a.k, 16 * NA);
   int warps = kFewWarpsMax;
-  while (warps > kFewWarpsMin && grid * warps > 16 * num_sms) warps /= 2;
+  while (warps > kFewWarpsMin && grid * warps > 16 * d.num_sms) warps /= 2;
   while (warps >= kFewWarpsMin && grid > few_rows_resident<T, TRANS, NA, MT>(warps)) warps /= 2;
   if (warps < kFewWarpsMin) return cudaErrorCooperativeLaunchTooLarge;
-  void* params[] = {&a};
-  const cudaError_t err = cudaLaunchCooperativeKernel(
-      reinterpret_cast<const void*>(&few_rows_kernel<T, TRANS, NA, MT>),
-      dim3(static_cast<unsigned>(grid)), dim3(warps * 32), params,
-      few_rows_smem<NA, MT>(warps), stream);
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = few_rows_config<NA, MT>(grid, warps, stream, attr);
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, &few_rows_kernel<T, TRANS, NA, MT>, a);
   return err == cudaSuccess ? cudaGetLastError() : err;
 }
 
@@ -2224,11 +2232,11 @@ cudaError_t launch_few_rows(Args<T> a, int num_sms, cudaStream_t stream) {
 // 8-byte chunks in twice the blocks: slower from K = 4096, H100). TRANS: 1, the most blocks,
 // or 2 where those do not all fit at once.
 template <typename T, bool TRANS>
-cudaError_t launch_few_rows_any(const Args<T>& a, int num_sms, cudaStream_t stream) {
+cudaError_t launch_few_rows_any(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
   const auto with_na = [&](auto na) {
     constexpr int NA = decltype(na)::value;
-    return a.rows <= 8 ? launch_few_rows<T, TRANS, NA, 1>(a, num_sms, stream)
-                       : launch_few_rows<T, TRANS, NA, 2>(a, num_sms, stream);
+    return a.rows <= 8 ? launch_few_rows<T, TRANS, NA, 1>(a, d, stream)
+                       : launch_few_rows<T, TRANS, NA, 2>(a, d, stream);
   };
   if constexpr (!TRANS) {
     return with_na(std::integral_constant<int, 4>{});
@@ -2299,9 +2307,13 @@ cudaError_t square_matmul_few_rows(T* x, const RowLayout& layout, const T* w, co
     if (err != cudaSuccess) return err;
     const Args<T> a = make_args(x, layout, w, bias, /*mma=*/true);
     if (!use_tensor_cores<T>(d) || !d.coop || !a.x_vec || !a.w_vec) return cudaErrorNotSupported;
-    return transpose ? launch_few_rows_any<T, true>(a, d.num_sms, stream)
-                     : launch_few_rows_any<T, false>(a, d.num_sms, stream);
+    return transpose ? launch_few_rows_any<T, true>(a, d, stream)
+                     : launch_few_rows_any<T, false>(a, d, stream);
   }
+}
+
+bool square_matmul_few_rows_faster(int64_t rows, bool transpose) {
+  return transpose || rows <= 8;
 }
 
 template <typename T>

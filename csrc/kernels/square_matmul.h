@@ -42,6 +42,10 @@ template <typename T>
 cudaError_t square_matmul_few_rows(T* x, const RowLayout& layout, const T* w, const T* bias,
                                    bool transpose, cudaStream_t stream);
 
+// Whether square_matmul_few_rows, where it applies, is faster than cuBLAS's GEMM into a fresh
+// output plus a copy back over x (H100, fp16/bf16): for x @ W^T, and for x @ W up to 8 rows.
+bool square_matmul_few_rows_faster(int64_t rows, bool transpose);
+
 // The default path's kernel on sm_90 (sm_90a builds), for fp16/bf16 where the warpgroup
 // kernel applies and the rows fill at least half of the GPU: an ordinary GEMM whose CTAs
 // write their output tiles over x once every CTA of the same rows has read them, which they
