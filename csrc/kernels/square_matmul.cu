@@ -2214,7 +2214,7 @@ int few_rows_resident(int warps) {
 // finer, fewer let more blocks fit at once); cudaErrorCooperativeLaunchTooLarge, launching
 // nothing, where the blocks do not all fit at once even with kFewWarpsMin warps. (Splitting
 // K further, over clusters of 2-8 blocks that summed their partial sums in one block's
-// shared memory, ran 3-45% slower at K = 1024-4096: H100, bf16, 1 and 16 rows.)
+// shared memory, ran 2-39% slower at K = 1024-4096: H100, fp16/bf16, 1 and 16 rows.)
 template <typename T, bool TRANS, int NA, int MT>
 cudaError_t launch_few_rows(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
   const int64_t grid = ceil_div(a.k, 16 * NA);
