@@ -142,6 +142,21 @@ def test_few_rows_shapes(lead, k, transpose, with_bias, mode, layout, dtype, see
                  mode=mode, layout=layout)
 
 
+def _captured_linear(static, weight, bias, prelude=lambda: None):
+    """A CUDA graph of square_matmul_(static, weight, bias, transpose=True), called once on a
+    side stream first (warm-up outside the graph); prelude runs in the capture just before."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mti.square_matmul_(static, weight, bias, transpose=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prelude()
+        mti.square_matmul_(static, weight, bias, transpose=True)
+    return graph
+
+
 # The few-rows kernel's cooperative launch captured in a CUDA graph and replayed.
 @requires_cuda
 def test_few_rows_in_cuda_graph():
@@ -149,14 +164,7 @@ def test_few_rows_in_cuda_graph():
     weight = randn((k, k), torch.bfloat16, "cuda", seed=1, scale=k**-0.5)
     bias = randn((k,), torch.bfloat16, "cuda", seed=2)
     static = randn((m, k), torch.bfloat16, "cuda", seed=3)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        mti.square_matmul_(static, weight, bias, transpose=True)  # warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        mti.square_matmul_(static, weight, bias, transpose=True)
+    graph = _captured_linear(static, weight, bias)
     for seed in (4, 5):
         fresh = randn((m, k), torch.bfloat16, "cuda", seed=seed)
         ref64, ref = _handshake_refs(fresh, weight, bias)
@@ -246,16 +254,11 @@ def test_default_handshake_in_cuda_graph():
     m, k = 8209, 1032
     x, weight, bias = _handshake_inputs(m, k, 7)
     static = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        mti.square_matmul_(static, weight, bias, transpose=True)  # warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        junk = torch.full((-(-m // 128),), 1 << 30, dtype=torch.int32, device="cuda")
-        del junk
-        mti.square_matmul_(static, weight, bias, transpose=True)
+
+    def junk():  # allocated and freed again in the capture
+        torch.full((-(-m // 128),), 1 << 30, dtype=torch.int32, device="cuda")
+
+    graph = _captured_linear(static, weight, bias, prelude=junk)
     for seed in (8, 9, 10):
         fresh = randn((m, k), torch.bfloat16, "cuda", seed=seed)
         ref64, ref = _handshake_refs(fresh, weight, bias)

@@ -378,17 +378,21 @@ __device__ __forceinline__ void mma_body(const Args<T>& a) {
   }
 }
 
+// Whether this compilation pass has T's mma.sync (bf16 from sm_80, fp16 from sm_75); the
+// host pass says yes. The launchers never pick a kernel where it is compiled without.
+template <typename T>
+constexpr bool has_mma() {
+#if defined(__CUDA_ARCH__)
+  return std::is_same_v<T, __nv_bfloat16> ? __CUDA_ARCH__ >= 800 : __CUDA_ARCH__ >= 750;
+#else
+  return true;
+#endif
+}
+
 template <typename T, bool TRANS, class Tile>
 __global__ void __launch_bounds__(Tile::THREADS)
     mma_kernel(const __grid_constant__ Args<T> a) {
-#if defined(__CUDA_ARCH__)
-  // The launcher never picks this kernel where it is compiled empty.
-  constexpr bool kSupported = std::is_same_v<T, __nv_bfloat16> ? __CUDA_ARCH__ >= 800
-                                                                : __CUDA_ARCH__ >= 750;
-#else
-  constexpr bool kSupported = true;
-#endif
-  if constexpr (kSupported)
+  if constexpr (has_mma<T>())
     mma_body<T, TRANS, Tile>(a);
   else
     __trap();
@@ -490,9 +494,7 @@ struct FewRowsStep {
     return b;
   }
 
-  // Step at k0 (a multiple of KS; K is a multiple of KS, so a step is wholly inside K, or
-  // past it where `live` is false: nothing loaded, nor multiplied). Chunks outside W or x
-  // are never loaded and stay as zero() left them.
+  // Every chunk zero: those outside W or x are never loaded (fetch) and stay so.
   __device__ __forceinline__ void zero() {
 #pragma unroll
     for (int l = 0; l < W_LOADS; ++l)
@@ -504,6 +506,8 @@ struct FewRowsStep {
       for (int v = 0; v < X_WORDS; ++v) x[t][v] = 0;
   }
 
+  // The step at k0, a multiple of KS. K is a multiple of KS, so a step lies wholly inside K,
+  // or past it where `live` is false: nothing is loaded then (nor multiplied).
   __device__ __forceinline__ void fetch(const Args<T>& a, const Base& b, int k0, bool live) {
     const int64_t w_off = TRANS ? k0 : static_cast<int64_t>(k0) * a.k;
 #pragma unroll
@@ -547,7 +551,6 @@ struct FewRowsStep {
     return TRANS ? j0 + 16 * i + r : j0 + 2 * NA * (r % 8) + 2 * i + r / 8;
   }
 };
-
 
 template <typename T, bool TRANS, int NA, int MT>
 __device__ __forceinline__ void few_rows_body(const Args<T>& a) {
@@ -616,14 +619,7 @@ __device__ __forceinline__ void few_rows_body(const Args<T>& a) {
 template <typename T, bool TRANS, int NA, int MT>
 __global__ void __launch_bounds__(kFewWarpsMax * 32)
     few_rows_kernel(const __grid_constant__ Args<T> a) {
-#if defined(__CUDA_ARCH__)
-  // The launcher never picks this kernel where it is compiled empty.
-  constexpr bool kSupported = std::is_same_v<T, __nv_bfloat16> ? __CUDA_ARCH__ >= 800
-                                                                : __CUDA_ARCH__ >= 750;
-#else
-  constexpr bool kSupported = true;
-#endif
-  if constexpr (kSupported)
+  if constexpr (has_mma<T>())
     few_rows_body<T, TRANS, NA, MT>(a);
   else
     __trap();
@@ -2197,15 +2193,24 @@ cudaLaunchConfig_t few_rows_config(int64_t grid, int warps, cudaStream_t stream,
 }
 
 // Blocks of few_rows_kernel<T, TRANS, NA, MT> of `warps` warps (4, 8 or 16) resident at once
-// on the current device.
+// on the current device. The kernel's shared memory limit is raised to what its largest
+// blocks need, or as far as the device allows (blocks that need more are not resident), the
+// same for every size asked, so that no later question lowers it under an earlier answer.
 template <typename T, bool TRANS, int NA, int MT>
 int few_rows_resident(int warps) {
   static std::atomic<int> cache[3][kMaxDevices];
   return once_per_device(cache[warps == 4 ? 0 : warps == 8 ? 1 : 2], [&](int device) {
+    int optin = 0;
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+        cudaSuccess)
+      return 0;
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = few_rows_config<NA, MT>(1, warps, nullptr, attr);
+    if (cfg.dynamicSmemBytes > static_cast<size_t>(optin)) return 0;
     return resident_blocks(&few_rows_kernel<T, TRANS, NA, MT>, cfg, 1,
-                           few_rows_smem<NA, MT>(kFewWarpsMax), device);
+                           std::min(few_rows_smem<NA, MT>(kFewWarpsMax),
+                                    static_cast<size_t>(optin)),
+                           device);
   });
 }
 
