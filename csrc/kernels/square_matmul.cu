@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(Tile::THREADS)
 //
 // Where it applies: H100, fp16/bf16, against cuBLAS + copy_ (benchmarks/results/
 // square_matmul_overlap.md, stop 40): x @ W^T 0-29% faster up to K = 4096, x @ W with up to 8
-// rows -4% to +10%, with 9-16 rows 4-12% slower at K = 1024-2048 (its blocks of 64 columns
+// rows -4% to +10%, with 9-16 rows 1-12% slower at K = 1024-2048 (its blocks of 64 columns
 // are few there); about 1% slower than cuBLAS at K = 8192 (kFewRowsMaxK), and 10-80% from 32
 // rows on (x's rows, read by every block, outweigh its W columns), so up to 16 rows.
 constexpr int kFewRowsMax = 16;
