@@ -1,12 +1,15 @@
 // Small helpers shared by every kernel in csrc/kernels/ (no torch here): device code, and the
-// launchers' cluster attribute.
+// launchers' host helpers (the cluster attribute, per-device answers, occupancy).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <utility>
 
 namespace mti {
 
@@ -125,6 +128,75 @@ inline cudaLaunchAttribute cluster_dims(int cluster) {
   attr.val.clusterDim.y = 1;
   attr.val.clusterDim.z = 1;
   return attr;
+}
+
+// The host-side launchers' answers per device: questions about a device (its occupancy for a
+// kernel, whether a kernel has some code) whose answers cannot change while the process runs.
+constexpr int kMaxDevices = 64;  // devices whose answers are kept
+
+// f(device), an int >= 0, asked once per device: `cache` holds answer + 1 per device, 0 where
+// not asked yet (devices past kMaxDevices are asked every time). A failed query's error is
+// its answer, not the caller's, so it is cleared.
+template <class F>
+int once_per_device(std::atomic<int> (&cache)[kMaxDevices], int device, F&& f) {
+  std::atomic<int>* slot = device < kMaxDevices ? &cache[device] : nullptr;
+  const int known = slot != nullptr ? slot->load(std::memory_order_relaxed) : 0;
+  if (known != 0) return known - 1;
+  const int answer = f(device);
+  cudaGetLastError();
+  if (slot != nullptr) slot->store(answer + 1, std::memory_order_relaxed);
+  return answer;
+}
+
+// The same for the current device; 0 where it cannot be told.
+template <class F>
+int once_per_device(std::atomic<int> (&cache)[kMaxDevices], F&& f) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  return once_per_device(cache, device, std::forward<F>(f));
+}
+
+// How many CTAs (clusters of `cluster` CTAs when cluster > 1) of `threads` threads with
+// `smem` bytes of dynamic shared memory of `kernel` can be resident on the current device at
+// once; 0 if none can. Clusters need the kernel compiled for sm_90+ (a build without sm_90
+// code runs older machine code on an H100, and that code has no cluster reduction). Also
+// lifts the kernel's dynamic shared memory limit past the default 48 KiB where needed. A
+// failed query counts as "none" and its error is cleared so that it does not surface as a
+// launch error. Not cached: callers cache per device and launch shape (once_per_device).
+// smem_limit: the limit to lift it to where larger than smem (a kernel launched with several
+// sizes of shared memory needs the largest); cooperative: ask for a cooperative launch.
+template <class Kernel>
+int occupancy_units(Kernel kernel, int threads, int cluster, size_t smem, int sm_count,
+                    size_t smem_limit = 0, bool cooperative = false) {
+  int units = 0;
+  cudaFuncAttributes attr;
+  const size_t limit = std::max(smem, smem_limit);
+  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
+                  (limit <= 48 * 1024 ||
+                   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(limit)) == cudaSuccess);
+  if (ok && cluster == 1) {
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) ==
+        cudaSuccess)
+      units = per_sm * sm_count;
+  } else if (ok && attr.ptxVersion >= 90 &&
+             (cluster <= 8 ||
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+                  cudaSuccess)) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(cluster);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attrs[2] = {cluster_dims(cluster)};
+    attrs[1].id = cudaLaunchAttributeCooperative;
+    attrs[1].val.cooperative = 1;
+    config.attrs = attrs;
+    config.numAttrs = cooperative ? 2 : 1;
+    if (cudaOccupancyMaxActiveClusters(&units, kernel, &config) != cudaSuccess) units = 0;
+  }
+  cudaGetLastError();
+  return units;
 }
 
 }  // namespace mti

@@ -642,8 +642,6 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPat
 
 // ---------------------------------------------------------------------------- host side
 
-constexpr int kMaxDevices = 64;
-
 struct DeviceInfo {
   int sm_count = 0;
   bool cluster_launch = false;  // the device can launch thread-block clusters (sm_90+)
@@ -691,59 +689,16 @@ constexpr size_t row_smem_bytes(int threads) {
          threads;
 }
 
-// How many CTAs (clusters of `cluster` CTAs when cluster > 1) of `threads` threads with
-// `smem` bytes of dynamic shared memory of `kernel` can be resident on the current device at
-// once; 0 if none can. Clusters need the kernel compiled for sm_90+ (a build without sm_90
-// code runs older machine code on an H100, and that code has no cluster reduction). Also
-// lifts the kernel's dynamic shared memory limit past the default 48 KiB where needed. A
-// failed query counts as "none" and its error is cleared so that it does not surface as a
-// launch error. Not cached: callers cache per device and launch shape.
-template <class Kernel>
-int occupancy_units(Kernel kernel, int threads, int cluster, size_t smem, int sm_count) {
-  int units = 0;
-  cudaFuncAttributes attr;
-  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
-                  (smem <= 48 * 1024 ||
-                   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)) == cudaSuccess);
-  if (ok && cluster == 1) {
-    int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) ==
-        cudaSuccess)
-      units = per_sm * sm_count;
-  } else if (ok && attr.ptxVersion >= 90 &&
-             (cluster <= 8 ||
-              cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-                  cudaSuccess)) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(cluster);
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = smem;
-    cudaLaunchAttribute dims = cluster_dims(cluster);
-    config.attrs = &dims;
-    config.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&units, kernel, &config) != cudaSuccess) units = 0;
-  }
-  cudaGetLastError();
-  return units;
-}
-
 // occupancy_units() of row_kernel, queried once per device, CTA size and cluster size.
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
 int resident_units(int device, int threads, int cluster, int sm_count) {
-  // By device, threads / 32, log2(cluster): the answer + 1; 0 = not queried yet.
-  static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1][5];
+  static std::atomic<int> cache[kMaxWarps + 1][5][kMaxDevices];  // threads / 32, log2(cluster)
   int log2c = 0;
   while ((2 << log2c) <= cluster) ++log2c;
-  std::atomic<int>* slot =
-      device < kMaxDevices ? &cache[device][threads / kWarpSize][log2c] : nullptr;
-  if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
-    return slot->load(std::memory_order_relaxed) - 1;
-  const int units =
-      occupancy_units(row_kernel<Op, T, VEC, NV, kPath, kCached>, threads, cluster,
-                      row_smem_bytes<Op, T, VEC, NV, kPath, kCached>(threads), sm_count);
-  if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
-  return units;
+  return once_per_device(cache[threads / kWarpSize][log2c], device, [&](int) {
+    return occupancy_units(row_kernel<Op, T, VEC, NV, kPath, kCached>, threads, cluster,
+                           row_smem_bytes<Op, T, VEC, NV, kPath, kCached>(threads), sm_count);
+  });
 }
 
 // Row groups that each CTA (cluster) of launch_row_kernel's grid takes on, 0 for as many as

@@ -905,19 +905,14 @@ const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, Path::kStream};
 // once per device, CTA size and cluster size.
 template <class Op, typename T, int VEC, Path kPath, bool kParams, bool kCache>
 int64_t resident_backward_units(int device, int threads, int cluster, int sm_count) {
-  static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1][kMaxCluster + 1];  // answer + 1
-  std::atomic<int>* slot =
-      device < kMaxDevices ? &cache[device][threads / kWarpSize][cluster] : nullptr;
-  if (slot != nullptr && slot->load(std::memory_order_relaxed) != 0)
-    return slot->load(std::memory_order_relaxed) - 1;
-  constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
-  const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache>;
-  const int64_t smem = resident_backward_smem(kPath, VEC, NV, threads, kParams,
-                                              kCache ? Op::kColumnValues : 0);
-  const int units =
-      occupancy_units(kernel, threads, cluster, static_cast<size_t>(smem), sm_count);
-  if (slot != nullptr) slot->store(units + 1, std::memory_order_relaxed);
-  return units;
+  static std::atomic<int> cache[kMaxWarps + 1][kMaxCluster + 1][kMaxDevices];
+  return once_per_device(cache[threads / kWarpSize][cluster], device, [&](int) {
+    constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
+    const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache>;
+    const int64_t smem = resident_backward_smem(kPath, VEC, NV, threads, kParams,
+                                                kCache ? Op::kColumnValues : 0);
+    return occupancy_units(kernel, threads, cluster, static_cast<size_t>(smem), sm_count);
+  });
 }
 
 using Registers = std::integral_constant<Path, Path::kRegisters>;

@@ -47,7 +47,6 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kMaxDevices = 64;  // devices whose answers the launchers cache
 constexpr int kBK = 32;      // k extent of one W tile
 constexpr int kStages = 4;   // W tiles in flight in the tensor-core kernel
 constexpr int kMmaXPad = 8;  // staged x row pitch = kpad + pad (see MmaTile, FmaTile)
@@ -1437,45 +1436,6 @@ __global__ void wgmma_probe_kernel(int* out) {
 #endif
 }
 
-// f(device) (an int >= 0) for the current device, asked once per device: the answers cannot
-// change while the process runs. `cache` holds answer + 1 per device, 0 where not asked yet
-// (devices past kMaxDevices are asked every time). 0 where the current device is unknown.
-template <class F>
-int once_per_device(std::atomic<int> (&cache)[kMaxDevices], F&& f) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  std::atomic<int>* slot = device < kMaxDevices ? &cache[device] : nullptr;
-  const int known = slot != nullptr ? slot->load(std::memory_order_relaxed) : 0;
-  if (known != 0) return known - 1;
-  const int answer = f(device);
-  cudaGetLastError();  // a failed query's error is its answer, not the caller's
-  if (slot != nullptr) slot->store(answer + 1, std::memory_order_relaxed);
-  return answer;
-}
-
-// Blocks of `kernel`, launched as `cfg` in clusters of `cluster` blocks (cfg's attribute where
-// above 1), resident at once on `device`; 0 where that cannot be told. Raises the kernel's
-// shared memory limit to `smem_limit` first (which its launches rely on).
-template <class Kernel>
-int resident_blocks(Kernel kernel, const cudaLaunchConfig_t& cfg, int cluster, size_t smem_limit,
-                    int device) {
-  int per_sm = 0, sms = 0, clusters = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem_limit)) != cudaSuccess)
-    return 0;
-  if (cluster > 1)
-    return cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess
-               ? clusters * cluster
-               : 0;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-             &per_sm, kernel, static_cast<int>(cfg.blockDim.x), cfg.dynamicSmemBytes) ==
-                 cudaSuccess &&
-             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) ==
-                 cudaSuccess
-         ? per_sm * sms
-         : 0;
-}
-
 bool has_wgmma() {
   static std::atomic<int> cache[kMaxDevices];
   return once_per_device(cache, [](int) {
@@ -2127,10 +2087,11 @@ int handshake_grid(int k) {
   constexpr int C = Tile::kWParts;
   static std::atomic<int> cache[kMaxDevices];  // resident clusters
   const int resident = once_per_device(cache, [](int device) {
-    cudaLaunchAttribute attrs[2];
-    const cudaLaunchConfig_t cfg = handshake_config<Tile>(C, nullptr, attrs);
-    return resident_blocks(handshake_kernel_of<T, TRANS, Tile>(), cfg, C, Tile::kSmem, device) /
-           C;
+    int sms = 0;
+    return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess
+               ? occupancy_units(handshake_kernel_of<T, TRANS, Tile>(), Tile::THREADS, C,
+                                 Tile::kSmem, sms, 0, /*cooperative=*/true)
+               : 0;
   });
   const int col_tiles = handshake_col_tiles(k);
   return resident / col_tiles * col_tiles * C;
@@ -2176,41 +2137,18 @@ cudaError_t launch_handshake(Args<T> a, int* counters, cudaStream_t stream) {
   return err == cudaSuccess ? cudaGetLastError() : err;
 }
 
-// Few-rows kernel: a cooperative launch of `grid` blocks of `warps` warps.
-template <int NA, int MT>
-cudaLaunchConfig_t few_rows_config(int64_t grid, int warps, cudaStream_t stream,
-                                   cudaLaunchAttribute (&attr)[1]) {
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(warps * 32);
-  cfg.dynamicSmemBytes = few_rows_smem<NA, MT>(warps);
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
-}
-
 // Blocks of few_rows_kernel<T, TRANS, NA, MT> of `warps` warps (4, 8 or 16) resident at once
 // on the current device. The kernel's shared memory limit is raised to what its largest
 // blocks need, or as far as the device allows (blocks that need more are not resident), the
 // same for every size asked, so that no later question lowers it under an earlier answer.
 template <typename T, bool TRANS, int NA, int MT>
-int few_rows_resident(int warps) {
+int few_rows_resident(int warps, const DeviceInfo& d) {
   static std::atomic<int> cache[3][kMaxDevices];
-  return once_per_device(cache[warps == 4 ? 0 : warps == 8 ? 1 : 2], [&](int device) {
-    int optin = 0;
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-        cudaSuccess)
-      return 0;
-    cudaLaunchAttribute attr[1];
-    const cudaLaunchConfig_t cfg = few_rows_config<NA, MT>(1, warps, nullptr, attr);
-    if (cfg.dynamicSmemBytes > static_cast<size_t>(optin)) return 0;
-    return resident_blocks(&few_rows_kernel<T, TRANS, NA, MT>, cfg, 1,
-                           std::min(few_rows_smem<NA, MT>(kFewWarpsMax),
-                                    static_cast<size_t>(optin)),
-                           device);
+  return once_per_device(cache[warps == 4 ? 0 : warps == 8 ? 1 : 2], [&](int) {
+    const size_t smem = few_rows_smem<NA, MT>(warps), optin = d.smem_optin;
+    if (smem > optin) return 0;
+    return occupancy_units(&few_rows_kernel<T, TRANS, NA, MT>, warps * 32, 1, smem, d.num_sms,
+                           std::min(few_rows_smem<NA, MT>(kFewWarpsMax), optin));
   });
 }
 
@@ -2225,11 +2163,14 @@ cudaError_t launch_few_rows(const Args<T>& a, const DeviceInfo& d, cudaStream_t 
   const int64_t grid = ceil_div(a.k, 16 * NA);
   int warps = kFewWarpsMax;
   while (warps > kFewWarpsMin && grid * warps > 16 * d.num_sms) warps /= 2;
-  while (warps >= kFewWarpsMin && grid > few_rows_resident<T, TRANS, NA, MT>(warps)) warps /= 2;
+  while (warps >= kFewWarpsMin && grid > few_rows_resident<T, TRANS, NA, MT>(warps, d))
+    warps /= 2;
   if (warps < kFewWarpsMin) return cudaErrorCooperativeLaunchTooLarge;
-  cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = few_rows_config<NA, MT>(grid, warps, stream, attr);
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, &few_rows_kernel<T, TRANS, NA, MT>, a);
+  void* args[] = {const_cast<Args<T>*>(&a)};
+  const cudaError_t err = cudaLaunchCooperativeKernel(
+      reinterpret_cast<const void*>(&few_rows_kernel<T, TRANS, NA, MT>),
+      dim3(static_cast<unsigned>(grid)), dim3(warps * 32), args, few_rows_smem<NA, MT>(warps),
+      stream);
   return err == cudaSuccess ? cudaGetLastError() : err;
 }
 
