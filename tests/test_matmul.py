@@ -123,17 +123,20 @@ def test_zero_workspace_cluster_shapes(dtype, m, k):
                          with_bias=with_bias, mode="none")
 
 
-# The few-rows kernel (CUDA, fp16/bf16 with tensor cores; with no workspace, and in the default
-# mode for x @ W^T and for x @ W up to 8 rows): 1-16 rows, K a multiple of 16 (x @ W) or 32
-# (x @ W^T) up to 4096, rows in 16-byte chunks. Blocks of 64 (x @ W) or 16 (x @ W^T) columns,
-# so K = 1056 or 2080 leaves the last block part outside W; 9-16 rows take two 8-row tiles,
-# the second part empty; rows strided (every_other_row) or of two leading dims
-# (lead_permuted). The others (K = 4128, K = 1000, 48 with W^T, x @ W of 9-16 rows in the
-# default mode) run the other kernels, tested the same way.
+# The few-rows kernel (CUDA, fp16/bf16 with tensor cores; with no workspace up to 64 rows and
+# any K whose blocks all fit on the GPU at once, in the default mode for x @ W^T and for
+# x @ W up to 8 rows, up to 16 rows and K = 4096): K a multiple of 16 (x @ W) or 32
+# (x @ W^T), rows in 16-byte chunks. Blocks of 16, 32 or 64 columns, by layout, rows and K,
+# so K = 1040, 1056, 2080 or 8224 leaves the last block part outside W; rows in tiles of 8,
+# 9 rows (17, 33) leaving a tile part (or, with two tiles, one wholly) empty; rows strided
+# (every_other_row) or of two leading dims (lead_permuted). The others (65 rows, K = 1000, 48
+# with W^T; in the default mode K > 4096, x @ W of 9-16 rows and every shape from 17 rows)
+# run the other kernels, tested the same way.
 @requires_cuda
-@settings(max_examples=examples(60))
-@given(lead=st.sampled_from([(1,), (3,), (8,), (9,), (16,), (2, 8), (4, 3)]),
-       k=st.sampled_from([16, 32, 48, 1024, 1056, 2080, 4096, 4128, 1000]),
+@settings(max_examples=examples(80))
+@given(lead=st.sampled_from([(1,), (3,), (8,), (9,), (16,), (2, 8), (4, 3), (17,), (32,), (33,),
+                             (2, 32), (64,), (65,)]),
+       k=st.sampled_from([16, 32, 48, 1024, 1040, 1056, 2080, 4096, 4128, 1000, 8192, 8224]),
        transpose=st.booleans(), with_bias=st.booleans(), mode=st.sampled_from(["default", "none"]),
        layout=st.sampled_from(["contiguous", "every_other_row", "lead_permuted"]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16]), seed=seeds)

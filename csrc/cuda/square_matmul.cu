@@ -1,8 +1,8 @@
 // CUDA host side of square_matmul_: x[..., K] <- x @ W (or x @ W^T) + bias, over x.
 //
-// Every mode, fp16/bf16 with 1-16 rows where they suit it: the few-rows kernel of
-// kernels/square_matmul.cu, which needs no memory at all (in the default mode only where it
-// is faster than cuBLAS plus the copy back below).
+// Every mode, fp16/bf16 with 1-64 rows where they suit it: the few-rows kernel of
+// kernels/square_matmul.cu, which needs no memory at all (where the workspace holds the
+// output, only where it is faster than cuBLAS plus the copy back below).
 // Default: on sm_90 (sm_90a builds), for fp16/bf16 with rows enough to fill half of the GPU,
 // the handshake kernel of kernels/square_matmul.cu, whose workspace is one int per 128
 // rows, kept for the stream (handshake_counters) (H100, fp16/bf16, M >= 4096: 0.74-1.07x
@@ -194,10 +194,10 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
     using T = typename DeviceType<scalar_t>::type;
     const int64_t budget = allocatable_bytes(workspace_bytes);
-    // Up to 16 rows (decoding): the few-rows kernel, which needs no memory, unless the
+    // Up to 64 rows (decoding): the few-rows kernel, which needs no memory, unless the
     // workspace holds the output and cuBLAS plus the copy back is faster.
-    if (budget < plan.x.rows * plan.k * x.element_size() ||
-        square_matmul_few_rows_faster(plan.x.rows, plan.transpose)) {
+    if (square_matmul_few_rows_suits(plan.x.rows, plan.k, plan.transpose,
+                                     budget >= plan.x.rows * plan.k * x.element_size())) {
       const cudaError_t few = square_matmul_few_rows<T>(
           device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
           plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose, stream);

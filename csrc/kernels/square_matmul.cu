@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstddef>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 
@@ -418,15 +419,22 @@ __global__ void __launch_bounds__(Tile::THREADS)
 // 2q + 1, column g), b[1] (k 2q + 8 and 2q + 9); d[0..1] (row g, columns 2q and 2q + 1),
 // d[2..3] (row g + 8).
 //
-// Where it applies: H100, fp16/bf16, against cuBLAS + copy_ (benchmarks/results/
-// square_matmul_overlap.md, stop 40): x @ W^T 0-29% faster up to K = 4096, x @ W with up to 8
-// rows -4% to +10%, with 9-16 rows 1-12% slower at K = 1024-2048 (its blocks of 64 columns
-// are few there); about 1% slower than cuBLAS at K = 8192 (kFewRowsMaxK), and 10-80% from 32
-// rows on (x's rows, read by every block, outweigh its W columns), so up to 16 rows.
-constexpr int kFewRowsMax = 16;
-constexpr int kFewRowsMaxK = 4096;
-// Warps per block, chosen at launch (launch_few_rows): 4, 8 or 16.
-constexpr int kFewWarpsMin = 4, kFewWarpsMax = 16;
+// Against cuBLAS + copy_ (H100, fp16/bf16; benchmarks/results/square_matmul_overlap.md, stop
+// 40): x @ W^T 0-29% faster up to K = 4096, x @ W with up to 8 rows -4% to +10%, with 9-16
+// rows 1-12% slower at K = 1024-2048 (its blocks of 64 columns are few there); about 1%
+// slower at K = 8192, and 10-80% from 32 rows on (x's rows, read by every block, outweigh
+// its W columns). So where there is a workspace for cuBLAS's output it runs only where
+// square_matmul_few_rows_suits says; where there is none it runs up to kFewRowsMax rows and
+// any K whose blocks all fit at once, against the zero-workspace kernel's row blocks, which
+// leave most of the GPU idle with so few rows.
+constexpr int kFewRowsMax = 64;
+// Warps per block, chosen at launch (launch_few_rows): from 4 up to 16, or up to 8 where a
+// thread's accumulators for 32 or more rows need more than the 128 registers of 16 warps.
+constexpr int kFewWarpsMin = 4;
+template <int MT>
+constexpr int few_warps_max() {
+  return MT <= 2 ? 16 : 8;
+}
 
 // W rows and x rows of one step of a warp, and the MMAs on them. TRANS (W^T: W's row j is
 // Wv's column j, contiguous along k): a step covers 32 k; the thread loads 8 k from k0 + 8q
@@ -444,9 +452,11 @@ struct FewRowsStep {
   static constexpr int W_LOADS = TRANS ? 2 * NA : 4;           // W chunks per thread
   static constexpr int W_WORDS = TRANS ? 4 : NA;               // 32-bit words per W chunk
   static constexpr int X_WORDS = TRANS ? 4 : 2;                // per x chunk
-  // Steps in flight per thread: as many as about 80 registers hold beside the accumulators.
+  // Steps in flight per thread: as many as about 80 registers hold beside the accumulators
+  // (of 128 at 16 warps; 128 of 255 at 8, where more spilled).
   static constexpr int kUnroll =
-      std::max(1, std::min(8, (80 - 4 * NA * MT) / (W_LOADS * W_WORDS + MT * X_WORDS)));
+      std::max(1, std::min(8, ((few_warps_max<MT>() == 16 ? 80 : 128) - 4 * NA * MT) /
+                                  (W_LOADS * W_WORDS + MT * X_WORDS)));
   uint32_t w[W_LOADS][W_WORDS];
   uint32_t x[MT][X_WORDS];
 
@@ -616,7 +626,7 @@ __device__ __forceinline__ void few_rows_body(const Args<T>& a) {
 }
 
 template <typename T, bool TRANS, int NA, int MT>
-__global__ void __launch_bounds__(kFewWarpsMax * 32)
+__global__ void __launch_bounds__(few_warps_max<MT>() * 32)
     few_rows_kernel(const __grid_constant__ Args<T> a) {
   if constexpr (has_mma<T>())
     few_rows_body<T, TRANS, NA, MT>(a);
@@ -1594,9 +1604,22 @@ struct DeviceInfo {
   bool coop;          // cooperative launches supported
 };
 
+// The current device's properties, queried once per device (8 attribute queries took a
+// good part of a small call's host time): queried where not yet known, published under a
+// lock, read without one once published.
 cudaError_t device_info(DeviceInfo* d) {
-  int dev = 0, major = 0, minor = 0, coop = 0;
+  static DeviceInfo known[kMaxDevices];
+  static std::atomic<bool> ready[kMaxDevices];
+  static std::mutex mutex;
+  int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const bool cached = dev < kMaxDevices;
+  if (cached && ready[dev].load(std::memory_order_acquire)) {
+    *d = known[dev];
+    return cudaSuccess;
+  }
+  int major = 0, minor = 0, coop = 0;
   const std::pair<int*, cudaDeviceAttr> attrs[] = {
       {&major, cudaDevAttrComputeCapabilityMajor},
       {&minor, cudaDevAttrComputeCapabilityMinor},
@@ -1609,9 +1632,17 @@ cudaError_t device_info(DeviceInfo* d) {
   };
   for (const auto& [value, attr] : attrs)
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(value, attr, dev);
+  if (err != cudaSuccess) return err;
   d->cc = 10 * major + minor;
   d->coop = coop != 0;
-  return err;
+  if (cached) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (!ready[dev].load(std::memory_order_relaxed)) {
+      known[dev] = *d;
+      ready[dev].store(true, std::memory_order_release);
+    }
+  }
+  return cudaSuccess;
 }
 
 template <typename T>
@@ -2148,12 +2179,12 @@ int few_rows_resident(int warps, const DeviceInfo& d) {
     const size_t smem = few_rows_smem<NA, MT>(warps), optin = d.smem_optin;
     if (smem > optin) return 0;
     return occupancy_units(&few_rows_kernel<T, TRANS, NA, MT>, warps * 32, 1, smem, d.num_sms,
-                           std::min(few_rows_smem<NA, MT>(kFewWarpsMax), optin));
+                           std::min(few_rows_smem<NA, MT>(few_warps_max<MT>()), optin));
   });
 }
 
 // A cooperative launch of one block per BN columns, with as many warps per block (halving
-// from kFewWarpsMax) as keep the grid within about 16 warps per multiprocessor (more split K
+// from few_warps_max) as keep the grid within about 16 warps per multiprocessor (more split K
 // finer, fewer let more blocks fit at once); cudaErrorCooperativeLaunchTooLarge, launching
 // nothing, where the blocks do not all fit at once even with kFewWarpsMin warps. (Splitting
 // K further, over clusters of 2-8 blocks that summed their partial sums in one block's
@@ -2161,7 +2192,7 @@ int few_rows_resident(int warps, const DeviceInfo& d) {
 template <typename T, bool TRANS, int NA, int MT>
 cudaError_t launch_few_rows(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
   const int64_t grid = ceil_div(a.k, 16 * NA);
-  int warps = kFewWarpsMax;
+  int warps = few_warps_max<MT>();
   while (warps > kFewWarpsMin && grid * warps > 16 * d.num_sms) warps /= 2;
   while (warps >= kFewWarpsMin && grid > few_rows_resident<T, TRANS, NA, MT>(warps, d))
     warps /= 2;
@@ -2174,23 +2205,44 @@ cudaError_t launch_few_rows(const Args<T>& a, const DeviceInfo& d, cudaStream_t 
   return err == cudaSuccess ? cudaGetLastError() : err;
 }
 
-// The block's 16-column tiles NA. Not TRANS: 4, each thread's W loads 16-byte chunks (with 2,
-// 8-byte chunks in twice the blocks: slower from K = 4096, H100). TRANS: 1, the most blocks,
-// or 2 where those do not all fit at once.
-template <typename T, bool TRANS>
-cudaError_t launch_few_rows_any(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
-  const auto with_na = [&](auto na) {
-    constexpr int NA = decltype(na)::value;
+// The launch for a.rows rows in MT tiles of 8: one or two up to 16 rows, four or eight from 17
+// (MANY).
+template <typename T, bool TRANS, int NA, bool MANY>
+cudaError_t launch_few_rows_tiles(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
+  if constexpr (MANY)
+    return a.rows <= 32 ? launch_few_rows<T, TRANS, NA, 4>(a, d, stream)
+                        : launch_few_rows<T, TRANS, NA, 8>(a, d, stream);
+  else
     return a.rows <= 8 ? launch_few_rows<T, TRANS, NA, 1>(a, d, stream)
                        : launch_few_rows<T, TRANS, NA, 2>(a, d, stream);
+}
+
+// The block's 16-column tiles NA (H100, bf16, per-call times in turns in one build; stop 40
+// and 41 in benchmarks/results/square_matmul_overlap.md):
+// - x @ W: 4, each thread's W loads 16-byte chunks; with 2 (8-byte chunks in twice the
+//   blocks) 1 to 16 rows ran slower from K = 4096, but 17-64 rows 5-20% faster up to 4096.
+// - x @ W^T: 1, the most blocks, or 2 where those do not all fit at once.
+// - From 17 rows at K > 4096, either: 4 (2 was up to 12% slower at 64 rows, K = 8192).
+template <typename T, bool TRANS>
+cudaError_t launch_few_rows_any(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
+  const auto with = [&](auto na, auto many) {
+    return launch_few_rows_tiles<T, TRANS, decltype(na)::value, decltype(many)::value>(a, d,
+                                                                                       stream);
   };
-  if constexpr (!TRANS) {
-    return with_na(std::integral_constant<int, 4>{});
-  } else {
-    const cudaError_t err = with_na(std::integral_constant<int, 1>{});
-    return err == cudaErrorCooperativeLaunchTooLarge ? with_na(std::integral_constant<int, 2>{})
-                                                     : err;
-  }
+  const auto by_layout = [&](auto many) {
+    if constexpr (!TRANS) {
+      if constexpr (decltype(many)::value) return with(std::integral_constant<int, 2>{}, many);
+      else return with(std::integral_constant<int, 4>{}, many);
+    } else {
+      const cudaError_t err = with(std::integral_constant<int, 1>{}, many);
+      return err == cudaErrorCooperativeLaunchTooLarge
+                 ? with(std::integral_constant<int, 2>{}, many)
+                 : err;
+    }
+  };
+  if (a.rows <= 16) return by_layout(std::false_type{});
+  if (a.k > 4096) return with(std::integral_constant<int, 4>{}, std::true_type{});
+  return by_layout(std::true_type{});
 }
 
 }  // namespace
@@ -2244,9 +2296,9 @@ cudaError_t square_matmul_few_rows(T* x, const RowLayout& layout, const T* w, co
   if constexpr (sizeof(T) != 2) {
     return cudaErrorNotSupported;  // asked on every call: no device queries for other types
   } else {
-    // K in whole steps (FewRowsStep::KS), and no more than kFewRowsMaxK.
+    // K in whole steps (FewRowsStep::KS).
     if (layout.rows < 1 || layout.rows > kFewRowsMax || layout.n == 0 ||
-        layout.n > kFewRowsMaxK || layout.n % (transpose ? 32 : 16) != 0)
+        layout.n % (transpose ? 32 : 16) != 0)
       return cudaErrorNotSupported;
     DeviceInfo d;
     const cudaError_t err = device_info(&d);
@@ -2258,8 +2310,8 @@ cudaError_t square_matmul_few_rows(T* x, const RowLayout& layout, const T* w, co
   }
 }
 
-bool square_matmul_few_rows_faster(int64_t rows, bool transpose) {
-  return transpose || rows <= 8;
+bool square_matmul_few_rows_suits(int64_t rows, int64_t k, bool transpose, bool workspace) {
+  return !workspace || (rows <= 16 && k <= 4096 && (transpose || rows <= 8));
 }
 
 template <typename T>

@@ -31,20 +31,23 @@ cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, con
 template <typename T>
 cudaError_t square_matmul_zero_ws_max_k(int64_t* max_k);
 
-// Every path's kernel for fp16/bf16 with 1 to 16 rows (decoding) on GPUs with their tensor
-// cores, where K is at most 4096 and a multiple of 16 (x @ W) or 32 (x @ W^T) and x's rows
-// and W are in 16-byte chunks: blocks of output columns over all the rows, bound by reading
-// W once, which write over x after a grid-wide sync; no memory beyond x, W and bias.
-// Arguments as square_matmul_zero_ws's. Returns cudaErrorNotSupported, or
-// cudaErrorCooperativeLaunchTooLarge (its blocks would not all be resident at once, as under
-// MPS), launching nothing, where it does not apply; otherwise the launch's error.
+// The kernel for fp16/bf16 with 1 to 64 rows (decoding) on GPUs with their tensor cores,
+// where K is a multiple of 16 (x @ W) or 32 (x @ W^T) and x's rows and W are in 16-byte
+// chunks: blocks of output columns over all the rows, bound by reading W once, which write
+// over x after a grid-wide sync; no memory beyond x, W and bias. Arguments as
+// square_matmul_zero_ws's. Returns cudaErrorNotSupported, or
+// cudaErrorCooperativeLaunchTooLarge (its blocks would not all be resident at once: K too
+// large, or under MPS), launching nothing, where it does not apply; otherwise the launch's
+// error.
 template <typename T>
 cudaError_t square_matmul_few_rows(T* x, const RowLayout& layout, const T* w, const T* bias,
                                    bool transpose, cudaStream_t stream);
 
-// Whether square_matmul_few_rows, where it applies, is faster than cuBLAS's GEMM into a fresh
-// output plus a copy back over x (H100, fp16/bf16): for x @ W^T, and for x @ W up to 8 rows.
-bool square_matmul_few_rows_faster(int64_t rows, bool transpose);
+// Whether square_matmul_few_rows, where it applies, is the fastest kernel to run (H100,
+// fp16/bf16). workspace: the output fits in the workspace, so that cuBLAS's GEMM into a fresh
+// output plus a copy back over x is the alternative (faster from 17 rows, and for x @ W from
+// 9); otherwise the zero-workspace kernel is (slower wherever the few-rows kernel applies).
+bool square_matmul_few_rows_suits(int64_t rows, int64_t k, bool transpose, bool workspace);
 
 // The default path's kernel on sm_90 (sm_90a builds), for fp16/bf16 where the warpgroup
 // kernel applies and the rows fill at least half of the GPU: an ordinary GEMM whose CTAs
