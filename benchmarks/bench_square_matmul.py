@@ -9,7 +9,10 @@ for M <= 64 also "matmul+copy_", which writes the result back over x as our defa
 Each of our modes takes turns call by call with the baseline of its goal (common.time_alternating),
 so that the H100's clocks, which drift under its power cap, weigh on both alike, and each takes
 either place in a turn equally often; ms is the mean over the two places of the median of its
-calls at each (common.place_median), over at least MIN_TURNS turns. TFLOP/s = 2 M N^2 / ms.
+calls at each (common.place_median), over at least MIN_TURNS turns. For M <= 64, GPU time
+only: each call is queued behind a GPU wait longer than its host time, since calls of ~10 us
+are host-bound and would otherwise take in part of the host time of whichever fn took
+longer (host time is not measured). TFLOP/s = 2 M N^2 / ms.
 peak_extra_bytes: the caching allocator's peak above what was allocated before the call (the
 output for torch.matmul, the workspace for ours).
 
@@ -130,7 +133,8 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
 
     def in_turns(*keys: tuple[str, str]) -> None:
         res = time_alternating([fns[k] for k in keys], warmup_ms=args.warmup_ms,
-                               rep_ms=args.rep_ms, device=device, min_turns=MIN_TURNS)
+                               rep_ms=args.rep_ms, device=device, min_turns=MIN_TURNS,
+                               gpu_only=m <= SMALL_M)
         for k, ts in zip(keys, res):
             times.setdefault(k, ts)
 

@@ -126,6 +126,7 @@ def time_alternating(
     rep_ms: float = DEFAULT_REP_MS,
     device: torch.device | str | None = None,
     min_turns: int = 8,
+    gpu_only: bool = False,
 ) -> list[list[list[float]]]:
     """Milliseconds of each timed call of each fn, by the call's place in its turn: result[i][p]
     holds fns[i]'s calls made p-th in a turn. The fns are called in turns, each turn one fn
@@ -142,19 +143,31 @@ def time_alternating(
     takes every place equally often because the place weighs on a call's time by itself
     (H100: the same GEMM and copy of one row, N = 2048, bf16, read 13.4 us first in a turn of
     three, 14.6 second, 12.7 third, the same in every repetition).
+
+    gpu_only (CUDA): as time_ms's, each call queued behind a GPU wait longer than its host
+    time. Calls of a few microseconds of GPU work are host-bound otherwise, and a call's time
+    then takes in whatever part of its host time the GPU waited for (H100, square_matmul_ of
+    16-64 rows: the same cuBLAS GEMM and copy read 0.87-0.90x of matmul + copy_, whose
+    host time was 8-10 us shorter).
     """
     device = torch.device(device) if device is not None else best_device()
     cuda = device.type == "cuda"
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.int8, device=device) if cuda else None
 
-    def timed(fn) -> Callable[[], float]:
-        """Starts one timed call of fn; returns how to read its time once all are done."""
+    host_ms = [0.0] * len(fns)  # the longest host time of a warm-up call of each fn
+    sleeps = [0] * len(fns)  # GPU cycles to wait before each timed call of each fn
+
+    def timed(i: int) -> Callable[[], float]:
+        """Starts one timed call of fns[i]; returns how to read its time once all are done."""
+        fn = fns[i]
         if not cuda:
             t0 = time.perf_counter()
             fn()
             ms = (time.perf_counter() - t0) * 1e3
             return lambda: ms
         flush.zero_()
+        if sleeps[i]:
+            torch.cuda._sleep(sleeps[i])
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -168,24 +181,29 @@ def time_alternating(
     def round_ms() -> float:
         """The time of one call of every fn, with its flush."""
         t0 = time.perf_counter()
-        for fn in fns:
+        for i, fn in enumerate(fns):
             if cuda:
                 flush.zero_()
+            h0 = time.perf_counter()
             fn()
+            host_ms[i] = max(host_ms[i], (time.perf_counter() - h0) * 1e3)
         sync()
         return (time.perf_counter() - t0) * 1e3
 
     round_ms()  # the first calls may compile or allocate: no estimate from them
+    host_ms[:] = [0.0] * len(fns)
     estimate = statistics.median(round_ms() for _ in range(3))
     for _ in range(_repeats(estimate, warmup_ms)):
         round_ms()
+    if cuda and gpu_only:
+        sleeps[:] = [_queue_ahead_cycles(ms) for ms in host_ms]
     n = len(fns)
     turns = -(-max(min_turns, _repeats(estimate / n, rep_ms)) // n) * n
     reads = [[[] for _ in range(n)] for _ in fns]
     for turn in range(turns):
         for place in range(n):
             i = (turn + place) % n
-            reads[i][place].append(timed(fns[i]))
+            reads[i][place].append(timed(i))
     sync()
     return [[[r() for r in at] for at in by_place] for by_place in reads]
 
@@ -211,6 +229,12 @@ def _sleep_cycles_per_ms() -> float:
     return cycles / start.elapsed_time(end)
 
 
+def _queue_ahead_cycles(host_ms: float) -> int:
+    """GPU sleep cycles to queue before a timed call whose host time is at most host_ms, so
+    that its kernels are all queued by the time its start event runs."""
+    return int((2 * host_ms + 0.05) * _sleep_cycles_per_ms())
+
+
 def _cuda_events_ms(fn, warmup_ms: float, rep_ms: float, queue_ahead: bool = False) -> float:
     """See time_ms; queue_ahead is its gpu_only."""
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
@@ -229,7 +253,7 @@ def _cuda_events_ms(fn, warmup_ms: float, rep_ms: float, queue_ahead: bool = Fal
         t0 = time.perf_counter()
         fn()
         host_ms = max(host_ms, (time.perf_counter() - t0) * 1e3)
-    sleep_cycles = int((2 * host_ms + 0.05) * _sleep_cycles_per_ms()) if queue_ahead else 0
+    sleep_cycles = _queue_ahead_cycles(host_ms) if queue_ahead else 0
     n = _repeats(estimate, rep_ms)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]

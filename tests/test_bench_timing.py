@@ -1,16 +1,19 @@
 """benchmarks/common.py's turn-taking timer: every fn takes every place in a turn equally often
 (the square_matmul_ benchmark's ratios rest on it). Runs on the CPU path, which calls the fns
-in the same order as the CUDA one."""
+in the same order as the CUDA one; on CUDA, gpu_only leaves the host's time out."""
 
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import place_median, time_alternating  # noqa: E402
+from helpers import requires_cuda  # noqa: E402
 
 
 @pytest.mark.parametrize("n_fns", [1, 2, 3, 4])
@@ -35,3 +38,22 @@ def test_place_median_weighs_places_alike():
     by_place = [[1.0, 1.0, 9.0], [5.0, 5.0, 5.0]]
     assert statistics.median([t for at in by_place for t in at]) == 5.0
     assert place_median(by_place) == 3.0
+
+
+# A call of 2 ms of host time before a tiny kernel: timed without gpu_only, the GPU waits for
+# the host inside the timed span; with it, the span holds the kernel alone.
+@requires_cuda
+def test_gpu_only_leaves_the_host_time_out():
+    x = torch.zeros(1024, device="cuda")
+
+    def slow_host():
+        time.sleep(0.002)
+        x.add_(1)
+
+    def median_ms(gpu_only):
+        by_fn = time_alternating([slow_host], warmup_ms=10.0, rep_ms=20.0, device="cuda",
+                                 min_turns=5, gpu_only=gpu_only)
+        return place_median(by_fn[0])
+
+    assert median_ms(gpu_only=False) > 1.5
+    assert median_ms(gpu_only=True) < 0.5

@@ -2205,44 +2205,36 @@ cudaError_t launch_few_rows(const Args<T>& a, const DeviceInfo& d, cudaStream_t 
   return err == cudaSuccess ? cudaGetLastError() : err;
 }
 
-// The launch for a.rows rows in MT tiles of 8: one or two up to 16 rows, four or eight from 17
-// (MANY).
-template <typename T, bool TRANS, int NA, bool MANY>
+// The launch for a.rows rows in MT tiles of 8.
+template <typename T, bool TRANS, int NA>
 cudaError_t launch_few_rows_tiles(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
-  if constexpr (MANY)
-    return a.rows <= 32 ? launch_few_rows<T, TRANS, NA, 4>(a, d, stream)
-                        : launch_few_rows<T, TRANS, NA, 8>(a, d, stream);
-  else
-    return a.rows <= 8 ? launch_few_rows<T, TRANS, NA, 1>(a, d, stream)
-                       : launch_few_rows<T, TRANS, NA, 2>(a, d, stream);
+  if (a.rows <= 8) return launch_few_rows<T, TRANS, NA, 1>(a, d, stream);
+  if (a.rows <= 16) return launch_few_rows<T, TRANS, NA, 2>(a, d, stream);
+  if (a.rows <= 32) return launch_few_rows<T, TRANS, NA, 4>(a, d, stream);
+  return launch_few_rows<T, TRANS, NA, 8>(a, d, stream);
 }
 
-// The block's 16-column tiles NA (H100, bf16, per-call times in turns in one build; stop 40
-// and 41 in benchmarks/results/square_matmul_overlap.md):
-// - x @ W: 4, each thread's W loads 16-byte chunks; with 2 (8-byte chunks in twice the
-//   blocks) 1 to 16 rows ran slower from K = 4096, but 17-64 rows 5-20% faster up to 4096.
-// - x @ W^T: 1, the most blocks, or 2 where those do not all fit at once.
-// - From 17 rows at K > 4096, either: 4 (2 was up to 12% slower at 64 rows, K = 8192).
+// The block's 16-column tiles NA (H100, fp16/bf16, per-call times in turns in one build;
+// stops 40 and 41 in benchmarks/results/square_matmul_overlap.md):
+// - x @ W: 2 (each thread's W loads 8-byte chunks) up to K = 2048, and up to 4096 from 17
+//   rows; beyond, 4 (16-byte chunks in half the blocks), with which up to 16 rows ran 4-17%
+//   slower at K = 1024 and 17-64 rows 5-20% slower at K <= 4096, but 2 was 7-9% slower from
+//   K = 4096 (up to 16 rows) and up to 12% at K = 8192 (64 rows).
+// - x @ W^T: 1, the most blocks, or 2 where those do not all fit at once; from 17 rows past
+//   K = 4096, 4 (2 was up to 12% slower at 64 rows, K = 8192).
 template <typename T, bool TRANS>
 cudaError_t launch_few_rows_any(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
-  const auto with = [&](auto na, auto many) {
-    return launch_few_rows_tiles<T, TRANS, decltype(na)::value, decltype(many)::value>(a, d,
-                                                                                       stream);
-  };
-  const auto by_layout = [&](auto many) {
-    if constexpr (!TRANS) {
-      if constexpr (decltype(many)::value) return with(std::integral_constant<int, 2>{}, many);
-      else return with(std::integral_constant<int, 4>{}, many);
-    } else {
-      const cudaError_t err = with(std::integral_constant<int, 1>{}, many);
-      return err == cudaErrorCooperativeLaunchTooLarge
-                 ? with(std::integral_constant<int, 2>{}, many)
-                 : err;
-    }
-  };
-  if (a.rows <= 16) return by_layout(std::false_type{});
-  if (a.k > 4096) return with(std::integral_constant<int, 4>{}, std::true_type{});
-  return by_layout(std::true_type{});
+  const bool many = a.rows > 16;
+  if constexpr (!TRANS) {
+    return a.k <= (many ? 4096 : 2048) ? launch_few_rows_tiles<T, TRANS, 2>(a, d, stream)
+                                       : launch_few_rows_tiles<T, TRANS, 4>(a, d, stream);
+  } else {
+    if (many && a.k > 4096) return launch_few_rows_tiles<T, TRANS, 4>(a, d, stream);
+    const cudaError_t err = launch_few_rows_tiles<T, TRANS, 1>(a, d, stream);
+    return err == cudaErrorCooperativeLaunchTooLarge
+               ? launch_few_rows_tiles<T, TRANS, 2>(a, d, stream)
+               : err;
+  }
 }
 
 }  // namespace
@@ -2311,7 +2303,8 @@ cudaError_t square_matmul_few_rows(T* x, const RowLayout& layout, const T* w, co
 }
 
 bool square_matmul_few_rows_suits(int64_t rows, int64_t k, bool transpose, bool workspace) {
-  return !workspace || (rows <= 16 && k <= 4096 && (transpose || rows <= 8));
+  if (!workspace) return true;
+  return rows <= 16 && k <= 4096 && (transpose || rows <= 8 || k <= 1024);
 }
 
 template <typename T>
