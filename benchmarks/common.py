@@ -219,14 +219,20 @@ def _repeats(estimate_ms: float, budget_ms: float) -> int:
 
 @functools.cache
 def _sleep_cycles_per_ms() -> float:
-    """GPU clock cycles per millisecond of torch.cuda._sleep on the current device."""
+    """GPU clock cycles per millisecond of torch.cuda._sleep on the current device, at the
+    fastest clock of a few tries after a warm-up, so that a sleep lasts at least as long as
+    asked: a GPU that idled runs its first sleep at a lower clock."""
     cycles = 10_000_000
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
     torch.cuda._sleep(cycles)
-    end.record()
-    torch.cuda.synchronize()
-    return cycles / start.elapsed_time(end)
+    rates = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        rates.append(cycles / start.elapsed_time(end))
+    return max(rates)
 
 
 def _queue_ahead_cycles(host_ms: float) -> int:

@@ -56,4 +56,4 @@ def test_gpu_only_leaves_the_host_time_out():
         return place_median(by_fn[0])
 
     assert median_ms(gpu_only=False) > 1.5
-    assert median_ms(gpu_only=True) < 0.5
+    assert median_ms(gpu_only=True) < 1.0
