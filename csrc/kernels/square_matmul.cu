@@ -419,14 +419,15 @@ __global__ void __launch_bounds__(Tile::THREADS)
 // 2q + 1, column g), b[1] (k 2q + 8 and 2q + 9); d[0..1] (row g, columns 2q and 2q + 1),
 // d[2..3] (row g + 8).
 //
-// Against cuBLAS + copy_ (H100, fp16/bf16; benchmarks/results/square_matmul_overlap.md, stop
-// 40): x @ W^T 0-29% faster up to K = 4096, x @ W with up to 8 rows -4% to +10%, with 9-16
-// rows 1-12% slower at K = 1024-2048 (its blocks of 64 columns are few there); about 1%
-// slower at K = 8192, and 10-80% from 32 rows on (x's rows, read by every block, outweigh
-// its W columns). So where there is a workspace for cuBLAS's output it runs only where
+// Against cuBLAS + copy_ (H100, fp16/bf16, GPU time; benchmarks/results/
+// square_matmul_overlap.md, stops 40 and 41): up to 16 rows and K = 4096, x @ W^T 3-27%
+// faster, x @ W up to 8 rows -5% to +11%, 9-16 rows 3-11% faster at K = 1024 but up to 13%
+// slower at 2048; at K = 8192 0-3% slower; from 17 rows 14-75% slower (x's rows, read by
+// every block, outweigh its W columns), except x @ W^T of 17-32 rows at K <= 2048 (0-15%
+// faster). So where there is a workspace for cuBLAS's output it runs only where
 // square_matmul_few_rows_suits says; where there is none it runs up to kFewRowsMax rows and
 // any K whose blocks all fit at once, against the zero-workspace kernel's row blocks, which
-// leave most of the GPU idle with so few rows.
+// leave most of the GPU idle with so few rows (1.5-5x slower).
 constexpr int kFewRowsMax = 64;
 // Warps per block, chosen at launch (launch_few_rows): from 4 up to 16, or up to 8 where a
 // thread's accumulators for 32 or more rows need more than the 128 registers of 16 warps.

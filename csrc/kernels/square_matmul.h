@@ -43,10 +43,11 @@ template <typename T>
 cudaError_t square_matmul_few_rows(T* x, const RowLayout& layout, const T* w, const T* bias,
                                    bool transpose, cudaStream_t stream);
 
-// Whether square_matmul_few_rows, where it applies, is the fastest kernel to run (H100,
-// fp16/bf16). workspace: the output fits in the workspace, so that cuBLAS's GEMM into a fresh
-// output plus a copy back over x is the alternative (faster from 17 rows, and for x @ W from
-// 9); otherwise the zero-workspace kernel is (slower wherever the few-rows kernel applies).
+// Whether square_matmul_few_rows, where it applies, is the kernel to run (H100, fp16/bf16).
+// workspace: the output fits in the workspace, so that cuBLAS's GEMM into a fresh output plus
+// a copy back over x is the alternative: then up to 16 rows and K = 4096, for x @ W^T, and
+// for x @ W up to 8 rows or at K <= 1024. Otherwise the zero-workspace kernel is, slower
+// wherever the few-rows kernel applies.
 bool square_matmul_few_rows_suits(int64_t rows, int64_t k, bool transpose, bool workspace);
 
 // The default path's kernel on sm_90 (sm_90a builds), for fp16/bf16 where the warpgroup
