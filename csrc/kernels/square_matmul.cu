@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(Tile::THREADS)
 //
 // Against cuBLAS + copy_ (H100, fp16/bf16, GPU time; benchmarks/results/
 // square_matmul_overlap.md, stops 40 and 41): up to 16 rows and K = 4096, x @ W^T 3-27%
-// faster, x @ W up to 8 rows -5% to +11%, 9-16 rows 3-11% faster at K = 1024 but up to 13%
+// faster, x @ W up to 8 rows -5% to +11%, 9-16 rows 3-11% faster at K = 1024 but up to 9%
 // slower at 2048; at K = 8192 0-3% slower; from 17 rows 14-75% slower (x's rows, read by
 // every block, outweigh its W columns), except x @ W^T of 17-32 rows at K <= 2048 (0-15%
 // faster). So where there is a workspace for cuBLAS's output it runs only where
@@ -2218,8 +2218,8 @@ cudaError_t launch_few_rows_tiles(const Args<T>& a, const DeviceInfo& d, cudaStr
 // The block's 16-column tiles NA (H100, fp16/bf16, per-call times in turns in one build;
 // stops 40 and 41 in benchmarks/results/square_matmul_overlap.md):
 // - x @ W: 2 (each thread's W loads 8-byte chunks) up to K = 2048, and up to 4096 from 17
-//   rows; beyond, 4 (16-byte chunks in half the blocks), with which up to 16 rows ran 4-17%
-//   slower at K = 1024 and 17-64 rows 5-20% slower at K <= 4096, but 2 was 7-9% slower from
+//   rows; beyond, 4 (16-byte chunks in half the blocks), with which up to 16 rows ran 9-16%
+//   slower at K = 1024 and 17-64 rows 5-24% slower at K <= 4096, but 2 was 7-10% slower at
 //   K = 4096 (up to 16 rows) and up to 12% at K = 8192 (64 rows).
 // - x @ W^T: 1, the most blocks, or 2 where those do not all fit at once; from 17 rows past
 //   K = 4096, 4 (2 was up to 12% slower at 64 rows, K = 8192).
