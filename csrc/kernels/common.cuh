@@ -1,5 +1,6 @@
 // Small helpers shared by every kernel in csrc/kernels/ (no torch here): device code, and the
-// launchers' host helpers (the cluster attribute, per-device answers, occupancy).
+// launchers' host helpers (the cluster attribute, per-device answers, the device's
+// properties, occupancy).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <utility>
 
 namespace mti {
@@ -154,6 +156,61 @@ int once_per_device(std::atomic<int> (&cache)[kMaxDevices], F&& f) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   return once_per_device(cache, device, std::forward<F>(f));
+}
+
+// What the launchers ask of a device, which cannot change while the process runs.
+struct DeviceInfo {
+  int cc = 0;                   // compute capability, 10 * major + minor
+  int sm_count = 0;
+  int threads_per_sm = 0;
+  int smem_optin = 0;           // bytes of shared memory a CTA may opt into
+  int smem_per_sm = 0;          // bytes of shared memory of a multiprocessor
+  int smem_reserved = 0;        // bytes the system reserves per CTA
+  bool coop = false;            // cooperative launches
+  bool cluster_launch = false;  // thread-block clusters (sm_90+)
+};
+
+// The current device (*device) and its DeviceInfo, queried once per device (its attribute
+// queries took a good part of a small call's host time): queried where not yet known,
+// published under a lock, read without one once published.
+inline cudaError_t current_device(int* device, DeviceInfo* info) {
+  static DeviceInfo known[kMaxDevices];
+  static std::atomic<bool> ready[kMaxDevices];
+  static std::mutex mutex;
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  const int dev = *device;
+  const bool cached = dev < kMaxDevices;
+  if (cached && ready[dev].load(std::memory_order_acquire)) {
+    *info = known[dev];
+    return cudaSuccess;
+  }
+  int major = 0, minor = 0, coop = 0, clusters = 0;
+  const std::pair<int*, cudaDeviceAttr> attrs[] = {
+      {&major, cudaDevAttrComputeCapabilityMajor},
+      {&minor, cudaDevAttrComputeCapabilityMinor},
+      {&info->sm_count, cudaDevAttrMultiProcessorCount},
+      {&info->threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor},
+      {&info->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin},
+      {&info->smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor},
+      {&info->smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock},
+      {&coop, cudaDevAttrCooperativeLaunch},
+      {&clusters, cudaDevAttrClusterLaunch},
+  };
+  for (const auto& [value, attr] : attrs)
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(value, attr, dev);
+  if (err != cudaSuccess) return err;
+  info->cc = 10 * major + minor;
+  info->coop = coop != 0;
+  info->cluster_launch = clusters != 0;
+  if (cached) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (!ready[dev].load(std::memory_order_relaxed)) {
+      known[dev] = *info;
+      ready[dev].store(true, std::memory_order_release);
+    }
+  }
+  return cudaSuccess;
 }
 
 // How many CTAs (clusters of `cluster` CTAs when cluster > 1) of `threads` threads with

@@ -642,44 +642,6 @@ __global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPat
 
 // ---------------------------------------------------------------------------- host side
 
-struct DeviceInfo {
-  int sm_count = 0;
-  bool cluster_launch = false;  // the device can launch thread-block clusters (sm_90+)
-  int smem_optin = 0;           // bytes of shared memory a CTA may opt into
-};
-
-// Properties of the current device, queried once per device.
-inline cudaError_t current_device(int* device, DeviceInfo* info) {
-  static std::atomic<int> sm_counts[kMaxDevices];        // 0: not queried yet
-  static std::atomic<int> cluster_launch[kMaxDevices];
-  static std::atomic<int> smem_optin[kMaxDevices];
-  cudaError_t err = cudaGetDevice(device);
-  if (err != cudaSuccess) return err;
-  const bool cached = *device < kMaxDevices;
-  if (cached && sm_counts[*device].load(std::memory_order_acquire) != 0) {
-    info->cluster_launch = cluster_launch[*device].load(std::memory_order_relaxed) != 0;
-    info->sm_count = sm_counts[*device].load(std::memory_order_relaxed);
-    info->smem_optin = smem_optin[*device].load(std::memory_order_relaxed);
-    return cudaSuccess;
-  }
-  int sms = 0, clusters = 0, optin = 0;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, *device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, *device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, *device);
-  if (err != cudaSuccess) return err;
-  info->sm_count = sms;
-  info->cluster_launch = clusters != 0;
-  info->smem_optin = optin;
-  if (cached) {
-    cluster_launch[*device].store(clusters, std::memory_order_relaxed);
-    smem_optin[*device].store(optin, std::memory_order_relaxed);
-    sm_counts[*device].store(sms, std::memory_order_release);
-  }
-  return cudaSuccess;
-}
-
 // Dynamic shared memory of a launch of row_kernel: the cached param vectors, then the stashed
 // steps.
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>

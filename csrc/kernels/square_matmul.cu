@@ -35,7 +35,6 @@
 #include <cstdint>
 #include <cstddef>
 #include <cstring>
-#include <mutex>
 #include <type_traits>
 #include <utility>
 
@@ -1595,57 +1594,6 @@ auto kernel_of(FmaTile<BM>) {
   return &fma_kernel<T, TRANS, FmaTile<BM>>;
 }
 
-struct DeviceInfo {
-  int cc;             // compute capability, 10 * major + minor
-  int smem_optin;     // shared memory one block may opt in to, bytes
-  int smem_per_sm;    // shared memory of a multiprocessor, bytes
-  int smem_reserved;  // shared memory the system reserves per block, bytes
-  int threads_per_sm;
-  int num_sms;
-  bool coop;          // cooperative launches supported
-};
-
-// The current device's properties, queried once per device (8 attribute queries took a
-// good part of a small call's host time): queried where not yet known, published under a
-// lock, read without one once published.
-cudaError_t device_info(DeviceInfo* d) {
-  static DeviceInfo known[kMaxDevices];
-  static std::atomic<bool> ready[kMaxDevices];
-  static std::mutex mutex;
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const bool cached = dev < kMaxDevices;
-  if (cached && ready[dev].load(std::memory_order_acquire)) {
-    *d = known[dev];
-    return cudaSuccess;
-  }
-  int major = 0, minor = 0, coop = 0;
-  const std::pair<int*, cudaDeviceAttr> attrs[] = {
-      {&major, cudaDevAttrComputeCapabilityMajor},
-      {&minor, cudaDevAttrComputeCapabilityMinor},
-      {&d->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin},
-      {&d->smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor},
-      {&d->smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock},
-      {&d->threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor},
-      {&d->num_sms, cudaDevAttrMultiProcessorCount},
-      {&coop, cudaDevAttrCooperativeLaunch},
-  };
-  for (const auto& [value, attr] : attrs)
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(value, attr, dev);
-  if (err != cudaSuccess) return err;
-  d->cc = 10 * major + minor;
-  d->coop = coop != 0;
-  if (cached) {
-    const std::lock_guard<std::mutex> lock(mutex);
-    if (!ready[dev].load(std::memory_order_relaxed)) {
-      known[dev] = *d;
-      ready[dev].store(true, std::memory_order_release);
-    }
-  }
-  return cudaSuccess;
-}
-
 template <typename T>
 bool use_tensor_cores(const DeviceInfo& d) {
   return sizeof(T) == 2 && (d.cc >= 80 || (d.cc >= 75 && std::is_same_v<T, __half>));
@@ -1684,7 +1632,7 @@ struct Split {
 
 // Too few row blocks to occupy the GPU: slice the columns among blocks that share rows.
 bool may_slice(int64_t row_blocks, int col_tiles, const DeviceInfo& d) {
-  return row_blocks < d.num_sms && col_tiles > 1 && d.coop;
+  return row_blocks < d.sm_count && col_tiles > 1 && d.coop;
 }
 
 // As many slices as `resident` blocks allow (the grid sync needs every block resident).
@@ -1712,8 +1660,8 @@ int64_t launch_cost(int64_t rows, int k, int kpad, bool trans, size_t elem,
   const int64_t per_sm = std::max<int64_t>(
       1, std::min<int64_t>(d.smem_per_sm / (smem + d.smem_reserved),
                            d.threads_per_sm / Tile::THREADS));
-  const Split s = split_work(rows, Tile::BM, col_tiles, per_sm * d.num_sms, d);
-  const int64_t waves = (s.row_blocks * s.slices + d.num_sms - 1) / d.num_sms;
+  const Split s = split_work(rows, Tile::BM, col_tiles, per_sm * d.sm_count, d);
+  const int64_t waves = (s.row_blocks * s.slices + d.sm_count - 1) / d.sm_count;
   return waves * s.per_block * (Tile::kWCost + Tile::BM);
 }
 
@@ -1745,7 +1693,7 @@ cudaError_t launch_tile(Args<T> a, const DeviceInfo& d, cudaStream_t stream) {
     int per_sm = 0;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tile::THREADS, smem);
     if (err != cudaSuccess) return err;
-    s = split_work(a.rows, Tile::BM, col_tiles, static_cast<int64_t>(per_sm) * d.num_sms, d);
+    s = split_work(a.rows, Tile::BM, col_tiles, static_cast<int64_t>(per_sm) * d.sm_count, d);
   }
   a.col_tiles_per_block = s.per_block;
   a.grid_sync = s.slices > 1;
@@ -1877,12 +1825,12 @@ StreamPlan plan_stream(int64_t rows, int k, const DeviceInfo& d) {
     const int tpc = (col_tiles + cluster - 1) / cluster;
     if ((col_tiles + tpc - 1) / tpc != cluster) continue;  // a block would be left empty
     if (Tile::kTma && Tile::BM / 8 % cluster != 0) continue;  // whole 8-row pieces
-    if (2 * row_blocks * cluster < d.num_sms) continue;
+    if (2 * row_blocks * cluster < d.sm_count) continue;
     const size_t smem = stream_smem_bytes<Tile>(tpc, sizeof(T));
     if (smem > static_cast<size_t>(d.smem_optin)) continue;
     const int64_t resident = resident_clusters<T, TRANS, Tile>(cluster, smem);
     if (resident == 0) continue;
-    const int64_t per_sm = std::max<int64_t>(1, ceil_div(resident * cluster, d.num_sms));
+    const int64_t per_sm = std::max<int64_t>(1, ceil_div(resident * cluster, d.sm_count));
     const int64_t waves = ceil_div(row_blocks, resident);
     const int x_rows = Tile::kTma ? Tile::BM / cluster : Tile::BM;  // loaded per block
     const int64_t cost = waves * per_sm * tpc * (Tile::BM + (x_rows + Tile::BN) / 8);
@@ -2137,7 +2085,7 @@ bool handshake_applies(const Args<T>& a, const DeviceInfo& d) {
   if (!wgmma_applies(a, d) || !d.coop) return false;
   const int grid = with_handshake_tile(
       a.k, [&](auto tile) { return handshake_grid<T, TRANS, decltype(tile)>(a.k); });
-  return grid > 0 && 2 * handshake_row_blocks(a.rows) * handshake_col_tiles(a.k) >= d.num_sms;
+  return grid > 0 && 2 * handshake_row_blocks(a.rows) * handshake_col_tiles(a.k) >= d.sm_count;
 }
 
 // Launches the handshake kernel (handshake_applies holds) in launches of at most INT_MAX / BM
@@ -2179,7 +2127,7 @@ int few_rows_resident(int warps, const DeviceInfo& d) {
   return once_per_device(cache[warps == 4 ? 0 : warps == 8 ? 1 : 2], [&](int) {
     const size_t smem = few_rows_smem<NA, MT>(warps), optin = d.smem_optin;
     if (smem > optin) return 0;
-    return occupancy_units(&few_rows_kernel<T, TRANS, NA, MT>, warps * 32, 1, smem, d.num_sms,
+    return occupancy_units(&few_rows_kernel<T, TRANS, NA, MT>, warps * 32, 1, smem, d.sm_count,
                            std::min(few_rows_smem<NA, MT>(few_warps_max<MT>()), optin));
   });
 }
@@ -2194,7 +2142,7 @@ template <typename T, bool TRANS, int NA, int MT>
 cudaError_t launch_few_rows(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
   const int64_t grid = ceil_div(a.k, 16 * NA);
   int warps = few_warps_max<MT>();
-  while (warps > kFewWarpsMin && grid * warps > 16 * d.num_sms) warps /= 2;
+  while (warps > kFewWarpsMin && grid * warps > 16 * d.sm_count) warps /= 2;
   while (warps >= kFewWarpsMin && grid > few_rows_resident<T, TRANS, NA, MT>(warps, d))
     warps /= 2;
   if (warps < kFewWarpsMin) return cudaErrorCooperativeLaunchTooLarge;
@@ -2242,8 +2190,9 @@ cudaError_t launch_few_rows_any(const Args<T>& a, const DeviceInfo& d, cudaStrea
 
 template <typename T>
 cudaError_t square_matmul_zero_ws_max_k(int64_t* max_k) {
+  int device = 0;
   DeviceInfo d;
-  const cudaError_t err = device_info(&d);
+  const cudaError_t err = current_device(&device, &d);
   if (err != cudaSuccess) return err;
   *max_k = use_tensor_cores<T>(d) ? family_max_k(MmaTiles{}, sizeof(T), d.smem_optin)
                                   : family_max_k(FmaTiles{}, sizeof(T), d.smem_optin);
@@ -2254,8 +2203,9 @@ template <typename T>
 cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, const T* bias,
                                   bool transpose, cudaStream_t stream) {
   if (layout.rows == 0 || layout.n == 0) return cudaSuccess;
+  int device = 0;
   DeviceInfo d;
-  cudaError_t err = device_info(&d);
+  cudaError_t err = current_device(&device, &d);
   if (err != cudaSuccess) return err;
   const bool mma = use_tensor_cores<T>(d);
   const int64_t max_k = mma ? family_max_k(MmaTiles{}, sizeof(T), d.smem_optin)
@@ -2293,8 +2243,9 @@ cudaError_t square_matmul_few_rows(T* x, const RowLayout& layout, const T* w, co
     if (layout.rows < 1 || layout.rows > kFewRowsMax || layout.n == 0 ||
         layout.n % (transpose ? 32 : 16) != 0)
       return cudaErrorNotSupported;
+    int device = 0;
     DeviceInfo d;
-    const cudaError_t err = device_info(&d);
+    const cudaError_t err = current_device(&device, &d);
     if (err != cudaSuccess) return err;
     const Args<T> a = make_args(x, layout, w, bias, /*mma=*/true);
     if (!use_tensor_cores<T>(d) || !d.coop || !a.x_vec || !a.w_vec) return cudaErrorNotSupported;
@@ -2314,8 +2265,10 @@ int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, co
   if constexpr (sizeof(T) != 2) {
     return 0;  // asked on every default-path call: no device queries for other types
   } else {
+    int device = 0;
     DeviceInfo d;
-    if (layout.rows == 0 || layout.n == 0 || device_info(&d) != cudaSuccess) return 0;
+    if (layout.rows == 0 || layout.n == 0 || current_device(&device, &d) != cudaSuccess)
+      return 0;
     const Args<T> a = make_args<T>(const_cast<T*>(x), layout, w, nullptr, /*mma=*/true);
     const bool applies = transpose ? handshake_applies<T, true>(a, d)
                                    : handshake_applies<T, false>(a, d);
