@@ -123,15 +123,15 @@ def test_zero_workspace_cluster_shapes(dtype, m, k):
                          with_bias=with_bias, mode="none")
 
 
-# The few-rows kernel (CUDA, fp16/bf16 with tensor cores; with no workspace up to 64 rows and
-# any K whose blocks all fit on the GPU at once, in the default mode for x @ W^T and for
-# x @ W up to 8 rows, up to 16 rows and K = 4096): K a multiple of 16 (x @ W) or 32
-# (x @ W^T), rows in 16-byte chunks. Blocks of 16, 32 or 64 columns, by layout, rows and K,
-# so K = 1040, 1056, 2080 or 8224 leaves the last block part outside W; rows in tiles of 8,
-# 9 rows (17, 33) leaving a tile part (or, with two tiles, one wholly) empty; rows strided
-# (every_other_row) or of two leading dims (lead_permuted). The others (65 rows, K = 1000, 48
-# with W^T; in the default mode K > 4096, x @ W of 9-16 rows and every shape from 17 rows)
-# run the other kernels, tested the same way.
+# The few-rows kernel (CUDA, fp16/bf16 with tensor cores): with no workspace up to 64 rows
+# and any K whose blocks all fit on the GPU at once; in the default mode up to 16 rows and
+# K = 4096, for x @ W^T, and for x @ W up to 8 rows or K <= 1024. K a multiple of 16 (x @ W)
+# or 32 (x @ W^T), rows in 16-byte chunks. Blocks of 16, 32 or 64 columns, by layout, rows
+# and K, so K = 1040, 1056, 2080 or 8224 leaves the last block part outside W; rows in tiles
+# of 8, 9 rows (17, 33) leaving a tile part (or, with two tiles, one wholly) empty; rows
+# strided (every_other_row) or of two leading dims (lead_permuted). The others (65 rows,
+# K = 1000, 48 with W^T; in the default mode K > 4096, x @ W of 9-16 rows past K = 1024 and
+# every shape from 17 rows) run the other kernels, tested the same way.
 @requires_cuda
 @settings(max_examples=examples(80))
 @given(lead=st.sampled_from([(1,), (3,), (8,), (9,), (16,), (2, 8), (4, 3), (17,), (32,), (33,),
