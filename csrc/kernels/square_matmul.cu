@@ -2066,11 +2066,12 @@ template <typename T, bool TRANS, class Tile>
 int handshake_grid(int k) {
   constexpr int C = Tile::kWParts;
   static std::atomic<int> cache[kMaxDevices];  // resident clusters
-  const int resident = once_per_device(cache, [](int device) {
-    int sms = 0;
-    return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess
+  const int resident = once_per_device(cache, [](int) {
+    int device = 0;
+    DeviceInfo d;
+    return current_device(&device, &d) == cudaSuccess
                ? occupancy_units(handshake_kernel_of<T, TRANS, Tile>(), Tile::THREADS, C,
-                                 Tile::kSmem, sms, 0, /*cooperative=*/true)
+                                 Tile::kSmem, d.sm_count, 0, /*cooperative=*/true)
                : 0;
   });
   const int col_tiles = handshake_col_tiles(k);
