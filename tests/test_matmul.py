@@ -421,3 +421,38 @@ def test_peak_memory_within_the_workspace(rows, k, workspace_bytes, dtype):
     assert torch.cuda.max_memory_allocated() - before <= min(limit, x.numel() * x.element_size())
     assert torch.cuda.memory_allocated() == before
     del fence
+
+
+@requires_cuda
+# No workspace to be had (the process may use no more GPU memory than it holds): square_matmul_
+# runs what workspace_bytes=0 runs, with no memory of its own. 64 rows: the few-rows kernel,
+# where the default mode would have cuBLAS write a new output; fp32 and past 64 rows: the
+# zero-workspace kernel. Outputs of more than 1 MiB, so that no block cached in the allocator's
+# small pool can hold them.
+@pytest.mark.parametrize("rows, k, transpose, dtype", [
+    (64, 8224, False, torch.bfloat16),
+    (64, 4096, True, torch.float16),
+    (4096, 1024, False, torch.float32)], ids=str)
+def test_workspace_out_of_memory_falls_back(rows, k, transpose, dtype):
+    x = randn((rows, k), dtype, "cuda", seed=51)
+    weight = randn((k, k), dtype, "cuda", seed=52, scale=k**-0.5)
+    bias = randn((k,), dtype, "cuda", seed=53)
+
+    def op(x, weight, bias, *, transpose):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        ooms = torch.cuda.memory_stats()["num_ooms"]
+        total = torch.cuda.get_device_properties(x.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / total)
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            mti.square_matmul_(x, weight, bias, transpose=transpose)
+            torch.cuda.synchronize()
+            assert torch.cuda.max_memory_allocated() == before
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        assert torch.cuda.memory_stats()["num_ooms"] > ooms, "the workspace was allocated"
+        return x
+
+    check_op(op, ref_square_matmul, x, weight, bias, transpose=transpose)

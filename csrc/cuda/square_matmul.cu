@@ -10,7 +10,8 @@
 // 0.65-0.94x). Elsewhere cuBLAS through ATen, a chunk of rows at a time into a workspace of
 // at most workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over
 // its rows on a side stream while the GEMM of the next chunk runs. With no room for one row,
-// room for chunks of too few rows (chunks_lose_accuracy) or no workspace to be had, the
+// room for chunks of too few rows (chunks_lose_accuracy) or no workspace to be had, what
+// workspace_bytes=0 runs: the few-rows kernel where it takes the shape, else the
 // zero-workspace kernel of kernels/square_matmul.cu.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -161,12 +162,31 @@ HandshakeCounters handshake_counters(int64_t count, const c10::cuda::CUDAStream&
   return {(*kept)[key] = at::zeros({count}, options), true};
 }
 
-// x <- x @ Wv (+ bias) by the zero-workspace kernel. Raises before writing anything when K
-// is beyond the kernel's shared memory; `why` says why no workspace is used.
+// x <- x @ Wv (+ bias) by the few-rows kernel (up to 64 16-bit rows, no workspace); false,
+// with nothing written, where it declines the shape or the device.
 template <typename scalar_t>
-void run_zero_workspace(const at::Tensor& x, const MatmulPlan& plan, cudaStream_t stream,
-                        const char* why) {
+bool run_few_rows(const at::Tensor& x, const MatmulPlan& plan, cudaStream_t stream) {
   using T = typename DeviceType<scalar_t>::type;
+  const cudaError_t err = square_matmul_few_rows<T>(
+      device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
+      plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose, stream);
+  if (err == cudaErrorNotSupported || err == cudaErrorCooperativeLaunchTooLarge) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  C10_CUDA_CHECK(err);
+  return true;
+}
+
+// x <- x @ Wv (+ bias) with no memory of its own, as workspace_bytes=0 runs it: the few-rows
+// kernel where it takes the shape (unless `few_rows_tried` already), else the zero-workspace
+// kernel. Raises before writing anything when K is beyond the latter's shared memory; `why`
+// says why no workspace is used.
+template <typename scalar_t>
+void run_without_workspace(const at::Tensor& x, const MatmulPlan& plan, cudaStream_t stream,
+                           bool few_rows_tried, const char* why) {
+  using T = typename DeviceType<scalar_t>::type;
+  if (!few_rows_tried && run_few_rows<scalar_t>(x, plan, stream)) return;
   int64_t max_k = 0;
   C10_CUDA_CHECK(square_matmul_zero_ws_max_k<T>(&max_k));
   TORCH_CHECK(plan.k <= max_k, "square_matmul_: K=", text(plan.k),
@@ -195,18 +215,11 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
     using T = typename DeviceType<scalar_t>::type;
     const int64_t budget = allocatable_bytes(workspace_bytes);
     // Up to 64 rows (decoding): the few-rows kernel, which needs no memory, unless the
-    // workspace holds the output and cuBLAS plus the copy back is faster.
-    if (square_matmul_few_rows_suits(plan.x.rows, plan.k, plan.transpose,
-                                     budget >= plan.x.rows * plan.k * x.element_size())) {
-      const cudaError_t few = square_matmul_few_rows<T>(
-          device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
-          plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose, stream);
-      if (few != cudaErrorNotSupported && few != cudaErrorCooperativeLaunchTooLarge) {
-        C10_CUDA_CHECK(few);
-        return;
-      }
-      (void)cudaGetLastError();
-    }
+    // workspace holds the output and cuBLAS plus the copy back is faster (if that workspace
+    // then cannot be allocated, run_without_workspace tries the few-rows kernel after all).
+    const bool few_rows_tried = square_matmul_few_rows_suits(
+        plan.x.rows, plan.k, plan.transpose, budget >= plan.x.rows * plan.k * x.element_size());
+    if (few_rows_tried && run_few_rows<scalar_t>(x, plan, stream)) return;
     const int64_t counters = square_matmul_handshake_counters<T>(
         device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight), plan.transpose);
     // The counters come from the caching allocator like any workspace, so they count
@@ -216,7 +229,8 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
       try {
         counter_ints = handshake_counters(counters, current);
       } catch (const c10::OutOfMemoryError&) {
-        run_zero_workspace<scalar_t>(x, plan, stream, "the workspace could not be allocated");
+        run_without_workspace<scalar_t>(x, plan, stream, few_rows_tried,
+                                        "the workspace could not be allocated");
         return;
       }
       const cudaError_t err = square_matmul_handshake<T>(
@@ -238,12 +252,13 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
       int64_t max_k = 0;
       C10_CUDA_CHECK(square_matmul_zero_ws_max_k<T>(&max_k));
       if (plan.k <= max_k) {
-        run_zero_workspace<scalar_t>(x, plan, stream, "chunks of so few rows lose accuracy");
+        run_without_workspace<scalar_t>(x, plan, stream, few_rows_tried,
+                                        "chunks of so few rows lose accuracy");
         return;
       }
     }
     if (const char* why = square_matmul_with_workspace(x, plan, budget, pipeline))
-      run_zero_workspace<scalar_t>(x, plan, stream, why);
+      run_without_workspace<scalar_t>(x, plan, stream, few_rows_tried, why);
   });
 }
 
