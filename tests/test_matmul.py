@@ -3,6 +3,8 @@ workspace mode (default, none, a few rows' worth so that many chunks run, the gl
 its context manager), odd K and M, strided rows; on CUDA, the chunks copied back on a side
 stream and the peak memory of the workspace path."""
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -423,12 +425,31 @@ def test_peak_memory_within_the_workspace(rows, k, workspace_bytes, dtype):
     del fence
 
 
+@contextlib.contextmanager
+def no_cuda_memory_to_spare():
+    """Every further CUDA allocation of 512 bytes or more fails: the process may reserve no
+    more than it holds, and what its segments have free is taken by filler tensors."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / total)
+    fillers, size = [], 1 << 30
+    try:
+        while size >= 512:
+            try:
+                fillers.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                size //= 2
+        yield
+    finally:
+        del fillers
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
 @requires_cuda
-# No workspace to be had (the process may use no more GPU memory than it holds): square_matmul_
-# runs what workspace_bytes=0 runs, with no memory of its own. 64 rows: the few-rows kernel,
-# where the default mode would have cuBLAS write a new output; fp32 and past 64 rows: the
-# zero-workspace kernel. Outputs of more than 1 MiB, so that no block cached in the allocator's
-# small pool can hold them.
+# No workspace to be had: square_matmul_ runs what workspace_bytes=0 runs, with no memory of
+# its own. 64 rows: the few-rows kernel, where the default mode would have cuBLAS write a new
+# output; fp32 past 64 rows: the zero-workspace kernel.
 @pytest.mark.parametrize("rows, k, transpose, dtype", [
     (64, 8224, False, torch.bfloat16),
     (64, 4096, True, torch.float16),
@@ -439,20 +460,14 @@ def test_workspace_out_of_memory_falls_back(rows, k, transpose, dtype):
     bias = randn((k,), dtype, "cuda", seed=53)
 
     def op(x, weight, bias, *, transpose):
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        ooms = torch.cuda.memory_stats()["num_ooms"]
-        total = torch.cuda.get_device_properties(x.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / total)
-        try:
+        with no_cuda_memory_to_spare():
+            ooms = torch.cuda.memory_stats()["num_ooms"]
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
             mti.square_matmul_(x, weight, bias, transpose=transpose)
             torch.cuda.synchronize()
             assert torch.cuda.max_memory_allocated() == before
-        finally:
-            torch.cuda.set_per_process_memory_fraction(1.0)
-        assert torch.cuda.memory_stats()["num_ooms"] > ooms, "the workspace was allocated"
+            assert torch.cuda.memory_stats()["num_ooms"] > ooms, "the workspace was allocated"
         return x
 
     check_op(op, ref_square_matmul, x, weight, bias, transpose=transpose)
