@@ -428,18 +428,23 @@ def test_peak_memory_within_the_workspace(rows, k, workspace_bytes, dtype):
 @contextlib.contextmanager
 def no_cuda_memory_to_spare():
     """Every further CUDA allocation of 512 bytes or more fails: the process may reserve no
-    more than it holds, and what its segments have free is taken by filler tensors."""
+    more than it holds, and what its segments have free is taken by filler tensors, each as
+    large as still fits. The caching allocator serves up to 1 MiB from segments of its own,
+    so the large ones' gaps are filled down to its smallest large block (1 MiB + 512 B)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / total)
-    fillers, size = [], 1 << 30
+    sizes = [1 << p for p in range(30, 20, -1)] + [(1 << 20) + 512]
+    sizes += [1 << p for p in range(20, 8, -1)]
+    fillers = []
     try:
-        while size >= 512:
-            try:
-                fillers.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
-            except torch.OutOfMemoryError:
-                size //= 2
+        for size in sizes:
+            while True:
+                try:
+                    fillers.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+                except torch.OutOfMemoryError:
+                    break
         yield
     finally:
         del fillers
