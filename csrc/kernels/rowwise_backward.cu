@@ -945,20 +945,23 @@ struct Launch {
 // grids, softmax_ on cluster registers at 16384 0.866 -> 0.856): each CTA's setup (the
 // column cache, its scratch row of the parameter gradients) is paid once per CTA, so the more
 // often the larger the grid. (The forward sizes its grid by rows_per_unit, rowwise.cuh.)
-// 0: a CTA per row group, none striding, for softmax's register rows of up to a warp and its
-// fp32 rows of a CTA: the next row's prefetch then has nothing to hide that the hardware's
-// next CTA does not. H100, 2^26 elements, backward, ratio to clone-equivalent bandwidth,
-// striding -> a CTA per row group, two sweeps each: fp32 softmax_ at N = 256-1024 / 2048-8192
-// 0.94 / 0.95 -> 0.99, fp32 log_softmax_ 0.92 / 0.93 -> 0.99 / 0.98; 16-bit softmax_ at
-// 256-1024 0.91 -> 0.96-0.97, log_softmax_ 0.88-0.89 -> 0.90. Not taken: 16-bit rows of a CTA
-// (N = 2048-8192, 0.94 -> 0.86; log_softmax_ 0.93 -> 0.79), the wide 16-bit rows (16384:
-// softmax_ 0.91 -> 0.94 but log_softmax_ 0.89 -> 0.86) and fp32 clusters (16384, 0.88 ->
-// 0.81).
+// 0: a CTA per row group, none striding, for softmax's register rows of up to a warp, its
+// fp32 rows of a CTA and softmax_'s wide 16-bit rows (not log_softmax_'s, which tells
+// `cluster_registers` apart: see SoftmaxBackwardOp): the next row's prefetch then has nothing
+// to hide that the hardware's next CTA does not. H100, 2^26 elements, backward, ratio to
+// clone-equivalent bandwidth, striding -> a CTA per row group, two sweeps each: fp32 softmax_
+// at N = 256-1024 / 2048-8192 0.94 / 0.95 -> 0.99, fp32 log_softmax_ 0.92 / 0.93 -> 0.99 /
+// 0.98; 16-bit softmax_ at 256-1024 0.91 -> 0.96-0.97, log_softmax_ 0.88-0.89 -> 0.90; wide
+// rows (16384) of bf16 / fp16 softmax_ 0.905 / 0.915 -> 0.94 / 0.95. Not taken: 16-bit rows of
+// a CTA (N = 2048-8192, 0.94 -> 0.86; log_softmax_ 0.93 -> 0.79), log_softmax_'s wide rows
+// (0.89 -> 0.86) and fp32 clusters (16384, 0.88 -> 0.81).
 template <class Op, typename T>
-constexpr int64_t grid_waves(const Shape& shape, bool params, bool cache) {
+constexpr int64_t grid_waves(const Shape& shape, bool params, bool cache,
+                             bool cluster_registers) {
   if (!Op::kHasParams && shape.path == Path::kRegisters &&
       (shape.tpr <= kWarpSize || sizeof(T) == 4))
     return 0;
+  if (!Op::kHasParams && shape.path == Path::kWideRegisters && cluster_registers) return 0;
   return shape.path == Path::kShared && !params && !cache && shape.cluster <= 8 ? 4 : 1;
 }
 
@@ -1022,7 +1025,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
     else
       fits = fitting(std::false_type{});
     if (fits > 0) {
-      const int64_t waves = grid_waves<Op, T>(l.shape, params, l.cache);
+      const int64_t waves = grid_waves<Op, T>(l.shape, params, l.cache, cluster_registers);
       max_units = waves > 0 ? fits * waves : std::numeric_limits<int>::max() / l.shape.cluster;
     }
     else if (l.vec)
