@@ -1,7 +1,8 @@
 """square_matmul_ and linear_ against F.linear on an fp64 reference: transpose, bias, every
 workspace mode (default, none, a few rows' worth so that many chunks run, the global limit and
 its context manager), odd K and M, strided rows; on CUDA, the chunks copied back on a side
-stream and the peak memory of the workspace path."""
+stream, the peak memory of the workspace path and what runs when no workspace can be
+allocated."""
 
 import contextlib
 

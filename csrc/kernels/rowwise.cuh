@@ -857,10 +857,11 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   // with two CTAs per SM (bf16, 0.911 / 0.899 / - / 0.895 -> 0.964 / 0.917 / - / 0.903; with
   // the weight read from global memory instead 0.89 / 0.77 / - / 0.75). LayerNorm's two params
   // do not fit beside the stash whole, and with part of them cached bf16 lost 2-23% (0.883 ->
-  // 0.680 at 32768). fp32 rows of ops that read nothing but x (softmax_, log_softmax_ without
-  // a mask, whose two steps spill) stash where that leaves at most two CTAs a row: one sweep,
-  // ratio to a copy, N = 32768 / 65536 / 131072 / 262144: 0.955 / 0.926 / 0.926 / 0.930 without,
-  // 0.974 / 0.948 / 0.923 / 0.916 with (fp32 softmax_; log_softmax_ alike).
+  // 0.680 at 32768). fp32 rows of ops that read nothing but x (softmax_ and log_softmax_
+  // without a mask; with one, two steps spilled 8-44 bytes) stash where that leaves at most
+  // two CTAs a row: one sweep, ratio to a copy, N = 32768 / 65536 / 131072 / 262144: 0.955 /
+  // 0.926 / 0.926 / 0.930 without, 0.974 / 0.948 / 0.923 / 0.916 with (fp32 softmax_;
+  // log_softmax_ alike).
   constexpr bool kStash16 =
       sizeof(T) == 2 && (Op::kParams == 0 || (Op::kParams == 1 && Op::kKeepsX));
   constexpr bool kStash32 =

@@ -967,7 +967,8 @@ constexpr int64_t grid_waves(const Shape& shape, bool params, bool cache,
 
 // `aligned`: every row (and side input) is 16-byte aligned with col_stride 1. Resident rows
 // run on as many CTAs (clusters) as fit on the GPU at once (grid_waves() times that), each
-// striding over rows (which its staging needs); vector rows that fit on no SM (or in no
+// striding over rows (which its staging needs), or where grid_waves() says so on a CTA per
+// row group; vector rows that fit on no SM (or in no
 // cluster that fits) are streamed. With parameter gradients, the grid is capped so that the
 // scratch stays within its bound.
 template <class Op, typename T>
@@ -1027,9 +1028,9 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
     if (fits > 0) {
       const int64_t waves = grid_waves<Op, T>(l.shape, params, l.cache, cluster_registers);
       max_units = waves > 0 ? fits * waves : std::numeric_limits<int>::max() / l.shape.cluster;
-    }
-    else if (l.vec)
+    } else if (l.vec) {
       l.shape = kStreamShape;
+    }
   }
   const int64_t rows_per_cta = l.shape.threads / l.shape.tpr;
   const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
