@@ -7,7 +7,8 @@
 // kMaxThreads that reduce over distributed shared memory (kernels/reduce.cuh). Thread t of the
 // group owns the row's vectors t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring
 // vectors at a time), NV of them per step; in a cluster, CTA `rank` owns the rank-th run of
-// kMaxThreads * NV vectors. The grid strides over groups of rows (clusters).
+// kMaxThreads * NV vectors. The grid strides over groups of rows (clusters), or has a CTA per
+// group where grid_waves() says so.
 //  - Path::kRegisters: rows that a CTA holds in registers, one step, read once. Vector rows
 //    (16-byte accesses, see below) are prefetched: the thread's vectors of its next row are
 //    copied into shared memory (cp.async) while the current row is reduced and written.
