@@ -947,22 +947,26 @@ struct Launch {
 // column cache, its scratch row of the parameter gradients) is paid once per CTA, so the more
 // often the larger the grid. (The forward sizes its grid by rows_per_unit, rowwise.cuh.)
 // 0: a CTA per row group, none striding, for softmax's register rows of up to a warp, its
-// fp32 rows of a CTA and softmax_'s wide 16-bit rows (not log_softmax_'s, which tells
-// `cluster_registers` apart: see SoftmaxBackwardOp): the next row's prefetch then has nothing
-// to hide that the hardware's next CTA does not. H100, 2^26 elements, backward, ratio to
-// clone-equivalent bandwidth, striding -> a CTA per row group, two sweeps each: fp32 softmax_
-// at N = 256-1024 / 2048-8192 0.94 / 0.95 -> 0.99, fp32 log_softmax_ 0.92 / 0.93 -> 0.99 /
-// 0.98; 16-bit softmax_ at 256-1024 0.91 -> 0.96-0.97, log_softmax_ 0.88-0.89 -> 0.90; wide
-// rows (16384) of bf16 / fp16 softmax_ 0.905 / 0.915 -> 0.94 / 0.95. Not taken: 16-bit rows of
-// a CTA (N = 2048-8192, 0.94 -> 0.86; log_softmax_ 0.93 -> 0.79), log_softmax_'s wide rows
-// (0.89 -> 0.86) and fp32 clusters (16384, 0.88 -> 0.81).
+// fp32 rows of a CTA and softmax_'s wide 16-bit rows (log_softmax_'s, which `cluster_registers`
+// tells apart, see SoftmaxBackwardOp, take two grids): the next row's prefetch then has
+// nothing to hide that the hardware's next CTA does not. H100, 2^26 elements, backward, ratio
+// to clone-equivalent bandwidth, striding -> a CTA per row group, two sweeps each: fp32
+// softmax_ at N = 256-1024 / 2048-8192 0.94 / 0.95 -> 0.99, fp32 log_softmax_ 0.92 / 0.93 ->
+// 0.99 / 0.98; 16-bit softmax_ at 256-1024 0.91 -> 0.96-0.97, log_softmax_ 0.88-0.89 -> 0.90;
+// wide rows (16384) of bf16 / fp16 softmax_ 0.905 / 0.915 -> 0.94 / 0.95. bf16 log_softmax_'s
+// wide rows: 0.888 / 0.884 striding, 0.918 / 0.918 with two grids, 0.901 / 0.905 with four,
+// 0.86 with a CTA per row group. Not taken: 16-bit rows of a CTA (N = 2048-8192, 0.94 -> 0.86
+// with a CTA per row group, 0.94 / 0.92 with two grids; log_softmax_ 0.93 -> 0.79 / 0.92),
+// fp32 clusters (16384, 0.88 -> 0.81; two or four grids: -1% to +1% for softmax_, -1% to -4%
+// for log_softmax_ at 16384-65536) and 16-bit softmax_'s (two or four grids: 0.85 -> 0.84 /
+// 0.82 at 32768).
 template <class Op, typename T>
 constexpr int64_t grid_waves(const Shape& shape, bool params, bool cache,
                              bool cluster_registers) {
   if (!Op::kHasParams && shape.path == Path::kRegisters &&
       (shape.tpr <= kWarpSize || sizeof(T) == 4))
     return 0;
-  if (!Op::kHasParams && shape.path == Path::kWideRegisters && cluster_registers) return 0;
+  if (!Op::kHasParams && shape.path == Path::kWideRegisters) return cluster_registers ? 0 : 2;
   return shape.path == Path::kShared && !params && !cache && shape.cluster <= 8 ? 4 : 1;
 }
 
