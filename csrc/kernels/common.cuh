@@ -213,6 +213,12 @@ inline cudaError_t current_device(int* device, DeviceInfo* info) {
   return cudaSuccess;
 }
 
+// The same, for callers that need no device index.
+inline cudaError_t current_device(DeviceInfo* info) {
+  int device = 0;
+  return current_device(&device, info);
+}
+
 // How many CTAs (clusters of `cluster` CTAs when cluster > 1) of `threads` threads with
 // `smem` bytes of dynamic shared memory of `kernel` can be resident on the current device at
 // once; 0 if none can. Clusters need the kernel compiled for sm_90+ (a build without sm_90

@@ -2067,9 +2067,8 @@ int handshake_grid(int k) {
   constexpr int C = Tile::kWParts;
   static std::atomic<int> cache[kMaxDevices];  // resident clusters
   const int resident = once_per_device(cache, [](int) {
-    int device = 0;
     DeviceInfo d;
-    return current_device(&device, &d) == cudaSuccess
+    return current_device(&d) == cudaSuccess
                ? occupancy_units(handshake_kernel_of<T, TRANS, Tile>(), Tile::THREADS, C,
                                  Tile::kSmem, d.sm_count, 0, /*cooperative=*/true)
                : 0;
@@ -2191,9 +2190,8 @@ cudaError_t launch_few_rows_any(const Args<T>& a, const DeviceInfo& d, cudaStrea
 
 template <typename T>
 cudaError_t square_matmul_zero_ws_max_k(int64_t* max_k) {
-  int device = 0;
   DeviceInfo d;
-  const cudaError_t err = current_device(&device, &d);
+  const cudaError_t err = current_device(&d);
   if (err != cudaSuccess) return err;
   *max_k = use_tensor_cores<T>(d) ? family_max_k(MmaTiles{}, sizeof(T), d.smem_optin)
                                   : family_max_k(FmaTiles{}, sizeof(T), d.smem_optin);
@@ -2204,9 +2202,8 @@ template <typename T>
 cudaError_t square_matmul_zero_ws(T* x, const RowLayout& layout, const T* w, const T* bias,
                                   bool transpose, cudaStream_t stream) {
   if (layout.rows == 0 || layout.n == 0) return cudaSuccess;
-  int device = 0;
   DeviceInfo d;
-  cudaError_t err = current_device(&device, &d);
+  cudaError_t err = current_device(&d);
   if (err != cudaSuccess) return err;
   const bool mma = use_tensor_cores<T>(d);
   const int64_t max_k = mma ? family_max_k(MmaTiles{}, sizeof(T), d.smem_optin)
@@ -2244,9 +2241,8 @@ cudaError_t square_matmul_few_rows(T* x, const RowLayout& layout, const T* w, co
     if (layout.rows < 1 || layout.rows > kFewRowsMax || layout.n == 0 ||
         layout.n % (transpose ? 32 : 16) != 0)
       return cudaErrorNotSupported;
-    int device = 0;
     DeviceInfo d;
-    const cudaError_t err = current_device(&device, &d);
+    const cudaError_t err = current_device(&d);
     if (err != cudaSuccess) return err;
     const Args<T> a = make_args(x, layout, w, bias, /*mma=*/true);
     if (!use_tensor_cores<T>(d) || !d.coop || !a.x_vec || !a.w_vec) return cudaErrorNotSupported;
@@ -2266,10 +2262,8 @@ int64_t square_matmul_handshake_counters(const T* x, const RowLayout& layout, co
   if constexpr (sizeof(T) != 2) {
     return 0;  // asked on every default-path call: no device queries for other types
   } else {
-    int device = 0;
     DeviceInfo d;
-    if (layout.rows == 0 || layout.n == 0 || current_device(&device, &d) != cudaSuccess)
-      return 0;
+    if (layout.rows == 0 || layout.n == 0 || current_device(&d) != cudaSuccess) return 0;
     const Args<T> a = make_args<T>(const_cast<T*>(x), layout, w, nullptr, /*mma=*/true);
     const bool applies = transpose ? handshake_applies<T, true>(a, d)
                                    : handshake_applies<T, false>(a, d);
