@@ -394,11 +394,11 @@ __device__ __forceinline__ typename Op::State read_step(float (&z)[NV][VEC], con
 
 // Turns one step of z into outputs and stores the vectors that start before `end` (and so lie
 // in the row whole). Each vector's params are read before the vector ahead of it is stored:
-// the compiler does not move a param load above a store to x (it cannot tell them apart), so
-// read in turn, every vector waited for its params' load. H100, forward, ratio to a copy,
-// in turn -> read ahead: fp32 LayerNorm 0.934 -> 0.953 at N = 8192, 0.895 -> 0.908 at 16384,
-// 0.782 -> 0.801 at 262144 (+1-2% at every N); 16-bit LayerNorm +1% at 1024-8192 and at
-// 32768-131072, but 0.920 / 0.916 -> 0.900 / 0.911 at 16384 (bf16 / fp16); RMSNorm +1% in
+// read in turn, each param load stayed behind the previous vector's store (SASS of 16-bit
+// LayerNorm), so every vector waited for its params. H100, forward, ratio to a copy, in turn
+// -> read ahead: fp32 LayerNorm 0.934 -> 0.953 at N = 8192, 0.895 -> 0.908 at 16384, 0.782 ->
+// 0.801 at 262144 (+1-2% at every N); 16-bit LayerNorm +1% at 4096-8192, +0-1.5% at
+// 32768-262144, but 0.920 / 0.916 -> 0.900 / 0.911 at 16384 (bf16 / fp16); RMSNorm +1% in
 // fp32 up to 8192 and in 16-bit from 65536 on. Not in 16-bit rows of up to kWarpRegs values
 // per thread, whose kernels fit three CTAs per SM in 80 registers: there the read-ahead
 // params spilled (LayerNorm, 32 bytes).
@@ -772,11 +772,11 @@ constexpr int fewer_cached(int cached, int nv) {
 // all but a quarter fits beside the weight on two CTAs per SM, where only the weight (whole params)
 // did: N = 65536 / 131072 / 262144 went from 0.83 / 0.70 / 0.65 to 0.86 / 0.84 / 0.79x of a copy
 // (H100; the bias's global loads held up the write loop as the weight's did RMSNorm's, see
-// cache_param). Shorter rows do not cache: their params stay in L1. (With them cached, each CTA
-// striding over the rows as all that cached did then, fp32 LayerNorm at N = 256-1024 ran 2-3%
-// slower; at N = 2048-4096 a CTA per row reading its params from L1 ran at 0.97-0.99x of a
-// copy (fp32) and 0.96-0.97x (bf16), cached 0.89x and 0.91-0.93x.) See rows_per_unit for the
-// grid.
+// cache_param). Shorter rows do not cache, but for those that fill a CTA (see launch_rows):
+// their params stay in L1. (With them cached, each CTA striding over the rows as all that
+// cached did then, fp32 LayerNorm at N = 256-1024 ran 2-3% slower; at N = 2048-4096 a CTA per
+// row reading its params from L1 ran at 0.97-0.99x of a copy (fp32) and 0.96-0.97x (bf16),
+// cached 0.89x and 0.91-0.93x.) See rows_per_unit for the grid.
 template <class Op, typename T, int VEC, int NV, RowPath kPath,
           int kCached = Op::kParams * NV * held_steps(kPath)>
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
@@ -871,6 +871,14 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   constexpr int kCtaRowNV = Op::template kCtaRowRegs<T> / VEC;
   if (vecs <= int64_t{kMaxThreads} * kCtaRowNV) {  // a CTA per row, as many threads as it takes
     const int threads = static_cast<int>(round_up(ceil_div(vecs, kCtaRowNV), kWarpSize));
+    // Rows that take all kMaxThreads threads at kCtaNV vectors each are what the cluster path's
+    // CTA holds: ops with params take that path (a cluster of one CTA), which caches them in
+    // shared memory, rather than read them from L1 in every row. H100, 16-bit LayerNorm at
+    // N = 16384 (the only such rows), forward, ratio to a copy: 0.889-0.909 -> 0.920-0.923.
+    if constexpr (Op::kParams > 0 && kCtaRowNV == kCtaNV)
+      if (threads == kMaxThreads)
+        return launch_caching<Op, T, VEC, kCtaNV, RowPath::kCluster>(x, layout, op, 1, device,
+                                                                     dev.sm_count, stream);
     return launch_row_kernel<Op, T, VEC, kCtaRowNV, RowPath::kResident>(
         x, layout, op, threads, threads, 1, device, dev.sm_count, stream);
   }
