@@ -32,9 +32,10 @@ ODD_WIDTHS = (1, 3, 255, 1000, 4097)
 
 # Row widths at the edges of the CUDA kernels' long-row paths (a CTA's registers hold 16384
 # elements; past that 16-bit softmax rows keep as much again in shared memory, other rows take
-# a cluster of CTAs): the first column past a CTA's registers, a stashed step half full, a
+# a cluster of CTAs): a CTA's registers seven eighths and one vector full (16-bit LayerNorm
+# takes the cluster path there), full, the first column past them, a stashed step half full, a
 # cluster whose last CTA holds one vector, and the same with a cluster of four.
-LONG_ROW_WIDTHS = (16384, 16392, 24576, 32768, 32776, 65544)
+LONG_ROW_WIDTHS = (14344, 16384, 16392, 24576, 32768, 32776, 65544)
 
 # Fills the buffer around a strided input, so that a stray write shows up.
 SENTINEL = 123.0
