@@ -869,16 +869,15 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
     }
   }
   constexpr int kCtaRowNV = Op::template kCtaRowRegs<T> / VEC;
-  if (vecs <= int64_t{kMaxThreads} * kCtaRowNV) {  // a CTA per row, as many threads as it takes
+  // Rows that would take all kMaxThreads threads at kCtaNV vectors each are what the cluster
+  // path's CTA holds: ops with params leave them to that path (a cluster of one CTA), which
+  // caches the params in shared memory rather than read them from L1 in every row. H100,
+  // 16-bit LayerNorm at N = 16384 (the only such rows), forward, ratio to a copy:
+  // 0.889-0.909 -> 0.920-0.923.
+  constexpr int kCtaRowThreads =
+      Op::kParams > 0 && kCtaRowNV == kCtaNV ? kMaxThreads - kWarpSize : kMaxThreads;
+  if (vecs <= int64_t{kCtaRowThreads} * kCtaRowNV) {  // a CTA per row, as many threads as it takes
     const int threads = static_cast<int>(round_up(ceil_div(vecs, kCtaRowNV), kWarpSize));
-    // Rows that take all kMaxThreads threads at kCtaNV vectors each are what the cluster path's
-    // CTA holds: ops with params take that path (a cluster of one CTA), which caches them in
-    // shared memory, rather than read them from L1 in every row. H100, 16-bit LayerNorm at
-    // N = 16384 (the only such rows), forward, ratio to a copy: 0.889-0.909 -> 0.920-0.923.
-    if constexpr (Op::kParams > 0 && kCtaRowNV == kCtaNV)
-      if (threads == kMaxThreads)
-        return launch_caching<Op, T, VEC, kCtaNV, RowPath::kCluster>(x, layout, op, 1, device,
-                                                                     dev.sm_count, stream);
     return launch_row_kernel<Op, T, VEC, kCtaRowNV, RowPath::kResident>(
         x, layout, op, threads, threads, 1, device, dev.sm_count, stream);
   }
