@@ -772,11 +772,11 @@ constexpr int fewer_cached(int cached, int nv) {
 // all but a quarter fits beside the weight on two CTAs per SM, where only the weight (whole params)
 // did: N = 65536 / 131072 / 262144 went from 0.83 / 0.70 / 0.65 to 0.86 / 0.84 / 0.79x of a copy
 // (H100; the bias's global loads held up the write loop as the weight's did RMSNorm's, see
-// cache_param). Shorter rows do not cache, but for those that fill a CTA (see launch_rows):
-// their params stay in L1. (With them cached, each CTA striding over the rows as all that
-// cached did then, fp32 LayerNorm at N = 256-1024 ran 2-3% slower; at N = 2048-4096 a CTA per
-// row reading its params from L1 ran at 0.97-0.99x of a copy (fp32) and 0.96-0.97x (bf16),
-// cached 0.89x and 0.91-0.93x.) See rows_per_unit for the grid.
+// cache_param). Shorter rows do not cache (but rows that fill a CTA come here, see
+// launch_rows): their params stay in L1. (With them cached, each CTA striding over the rows
+// as all that cached did then, fp32 LayerNorm at N = 256-1024 ran 2-3% slower; at N =
+// 2048-4096 a CTA per row reading its params from L1 ran at 0.97-0.99x of a copy (fp32) and
+// 0.96-0.97x (bf16), cached 0.89x and 0.91-0.93x.) See rows_per_unit for the grid.
 template <class Op, typename T, int VEC, int NV, RowPath kPath,
           int kCached = Op::kParams * NV * held_steps(kPath)>
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
