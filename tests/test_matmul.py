@@ -148,6 +148,18 @@ def test_few_rows_shapes(lead, k, transpose, with_bias, mode, layout, dtype, see
                  mode=mode, layout=layout)
 
 
+# x @ W of one tile of rows (up to 8) at K <= 2048 runs blocks of 16 columns (4-byte W
+# loads): both sides of that bound, in rows and in K.
+@requires_cuda
+@pytest.mark.parametrize("rows,k", [(1, 16), (1, 2048), (1, 2064), (3, 1040), (8, 2048),
+                                    (9, 1024)])
+@pytest.mark.parametrize("mode", ["default", "none"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_few_rows_narrow_blocks(dtype, mode, rows, k):
+    check_matmul("cuda", dtype, (rows,), k, rows + k, transpose=False, with_bias=True,
+                 mode=mode, layout="every_other_row")
+
+
 def _captured_linear(static, weight, bias, prelude=lambda: None):
     """A CUDA graph of square_matmul_(static, weight, bias, transpose=True), called once on a
     side stream first (warm-up outside the graph); prelude runs in the capture just before."""

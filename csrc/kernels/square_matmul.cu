@@ -464,9 +464,12 @@ struct FewRowsStep {
   // kernel writes (after its last read).
   template <bool READ_ONLY, int WORDS>
   __device__ __forceinline__ static void load(uint32_t (&dst)[WORDS], const T* src, bool in) {
-    static_assert(WORDS == 2 || WORDS == 4, "8- or 16-byte chunks");
+    static_assert(WORDS == 1 || WORDS == 2 || WORDS == 4, "4-, 8- or 16-byte chunks");
     if (!in) return;
-    if constexpr (WORDS == 4) {
+    if constexpr (WORDS == 1) {
+      const auto* p = reinterpret_cast<const uint32_t*>(src);
+      dst[0] = READ_ONLY ? __ldg(p) : *p;
+    } else if constexpr (WORDS == 4) {
       const auto* p = reinterpret_cast<const uint4*>(src);
       const uint4 v = READ_ONLY ? __ldg(p) : *p;
       dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
@@ -2164,17 +2167,23 @@ cudaError_t launch_few_rows_tiles(const Args<T>& a, const DeviceInfo& d, cudaStr
 }
 
 // The block's 16-column tiles NA (H100, fp16/bf16, per-call times in turns in one build;
-// stops 40 and 41 in benchmarks/results/square_matmul_overlap.md):
-// - x @ W: 2 (each thread's W loads 8-byte chunks) up to K = 2048, and up to 4096 from 17
-//   rows; beyond, 4 (16-byte chunks in half the blocks), with which up to 16 rows ran 9-16%
-//   slower at K = 1024 and 17-64 rows 5-24% slower at K <= 4096, but 2 was 7-10% slower at
-//   K = 4096 (up to 16 rows) and up to 12% at K = 8192 (64 rows).
+// stops 40, 41 and 45 in benchmarks/results/square_matmul_overlap.md):
+// - x @ W: 1 (each thread's W loads 4-byte chunks, twice the blocks of 2) for one tile of
+//   rows up to K = 2048: one row at K = 2048 took 12.3-12.8 us against 13.3-13.7 with 2, but
+//   16 rows lost 0.3-0.4 us at K = 1024 with it. Else 2 (8-byte chunks) up to K = 2048, and up
+//   to 4096 from 17 rows; beyond, 4 (16-byte chunks in half the blocks), with which up to 16
+//   rows ran 9-16% slower at K = 1024 and 17-64 rows 5-24% slower at K <= 4096, but 2 was
+//   7-10% slower at K = 4096 (up to 16 rows) and up to 12% at K = 8192 (64 rows).
 // - x @ W^T: 1, the most blocks, or 2 where those do not all fit at once; from 17 rows past
 //   K = 4096, 4 (2 was up to 12% slower at 64 rows, K = 8192).
 template <typename T, bool TRANS>
 cudaError_t launch_few_rows_any(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
   const bool many = a.rows > 16;
   if constexpr (!TRANS) {
+    if (a.rows <= 8 && a.k <= 2048) {
+      const cudaError_t err = launch_few_rows<T, TRANS, 1, 1>(a, d, stream);
+      if (err != cudaErrorCooperativeLaunchTooLarge) return err;
+    }
     return a.k <= (many ? 4096 : 2048) ? launch_few_rows_tiles<T, TRANS, 2>(a, d, stream)
                                        : launch_few_rows_tiles<T, TRANS, 4>(a, d, stream);
   } else {
