@@ -411,16 +411,16 @@ __global__ void __launch_bounds__(Tile::THREADS)
 //
 // The MMA computes out^T = Wv^T x^T as the staging kernel does: W the 16-row A operand
 // (rows = output columns j), x the 8-wide B operand (columns = x's rows n, MT tiles of 8).
-// A sum over k may take its terms in any order, so each thread loads 16-byte chunks of W and
-// x and feeds them to fragment slots of the k order that suits the load; A and B use the same
-// order. Fragment slots (g = lane / 4, q = lane % 4): a[0] (row g, k 2q and 2q + 1), a[1]
-// (row g + 8, same k), a[2] and a[3] (rows g, g + 8, k 2q + 8 and 2q + 9); b[0] (k 2q and
-// 2q + 1, column g), b[1] (k 2q + 8 and 2q + 9); d[0..1] (row g, columns 2q and 2q + 1),
-// d[2..3] (row g + 8).
+// A sum over k may take its terms in any order, so each thread loads chunks of W (4-16 bytes,
+// see FewRowsStep) and x and feeds them to fragment slots of the k order that suits the load;
+// A and B use the same order. Fragment slots (g = lane / 4, q = lane % 4): a[0] (row g, k 2q
+// and 2q + 1), a[1] (row g + 8, same k), a[2] and a[3] (rows g, g + 8, k 2q + 8 and 2q + 9);
+// b[0] (k 2q and 2q + 1, column g), b[1] (k 2q + 8 and 2q + 9); d[0..1] (row g, columns 2q
+// and 2q + 1), d[2..3] (row g + 8).
 //
 // Against cuBLAS + copy_ (H100, fp16/bf16, GPU time; benchmarks/results/
-// square_matmul_overlap.md, stops 40 and 41): up to 16 rows and K = 4096, x @ W^T 3-27%
-// faster, x @ W up to 8 rows -5% to +11%, 9-16 rows 3-11% faster at K = 1024 but up to 9%
+// square_matmul_overlap.md, stops 40, 41 and 45): up to 16 rows and K = 4096, x @ W^T 3-27%
+// faster, x @ W of one row 0-20% (stop 45), 9-16 rows 3-11% faster at K = 1024 but up to 9%
 // slower at 2048; at K = 8192 0-3% slower; from 17 rows 14-75% slower (x's rows, read by
 // every block, outweigh its W columns), except x @ W^T of 17-32 rows at K <= 2048 (0-15%
 // faster). So where there is a workspace for cuBLAS's output it runs only where
