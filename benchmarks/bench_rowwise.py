@@ -432,6 +432,7 @@ def parse_args(argv):
                         help="compile once per N (dynamic=False) instead of once per op and dtype")
     parser.add_argument("--no-liger", action="store_true")
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--no-forward", action="store_true")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu only checks the code paths; its numbers mean little")
     parser.add_argument("--numel-log2", type=int, default=26, help="elements per tensor: 2^this")
@@ -442,7 +443,10 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     args.sizes = args.sizes or (QUICK_N if args.quick else ALL_N)
     args.dtypes = args.dtypes or (QUICK_DTYPES if args.quick else ALL_DTYPES)
-    args.passes = ["forward"] if args.no_backward else ["forward", "backward"]
+    args.passes = [p for p, skip in (("forward", args.no_forward), ("backward", args.no_backward))
+                   if not skip]
+    if not args.passes:
+        parser.error("--no-forward and --no-backward leave nothing to run")
     too_wide = [n for n in args.sizes if n > 1 << args.numel_log2]
     if too_wide:
         parser.error(f"N {too_wide} wider than 2^{args.numel_log2} elements")

@@ -1,6 +1,7 @@
 """benchmarks/common.py's turn-taking timer: every fn takes every place in a turn equally often
 (the square_matmul_ benchmark's ratios rest on it). Runs on the CPU path, which calls the fns
-in the same order as the CUDA one; on CUDA, gpu_only leaves the host's time out."""
+in the same order as the CUDA one; on CUDA, gpu_only leaves the host's time out. Also
+bench_rowwise's pass flags."""
 
 import statistics
 import sys
@@ -57,3 +58,13 @@ def test_gpu_only_leaves_the_host_time_out():
 
     assert median_ms(gpu_only=False) > 1.5
     assert median_ms(gpu_only=True) < 1.0
+
+
+def test_rowwise_passes_follow_the_flags():
+    from benchmarks import bench_rowwise
+
+    assert bench_rowwise.parse_args([]).passes == ["forward", "backward"]
+    assert bench_rowwise.parse_args(["--no-backward"]).passes == ["forward"]
+    assert bench_rowwise.parse_args(["--no-forward"]).passes == ["backward"]
+    with pytest.raises(SystemExit):
+        bench_rowwise.parse_args(["--no-forward", "--no-backward"])
