@@ -148,11 +148,13 @@ def test_few_rows_shapes(lead, k, transpose, with_bias, mode, layout, dtype, see
                  mode=mode, layout=layout)
 
 
-# x @ W of one tile of rows (up to 8) at K <= 2048 runs blocks of 16 columns (4-byte W
-# loads): both sides of that bound, in rows and in K.
+# x @ W of one tile of rows (up to 8) at K <= 2048, and of 17-64 rows at K <= 1024 (the
+# zero-workspace mode), runs blocks of 16 columns (4-byte W loads): both sides of those
+# bounds, in rows and in K.
 @requires_cuda
 @pytest.mark.parametrize("rows,k", [(1, 16), (1, 2048), (1, 2064), (3, 1040), (8, 2048),
-                                    (9, 1024)])
+                                    (9, 1024), (16, 1024), (17, 1024), (33, 1008), (64, 1024),
+                                    (64, 1040)])
 @pytest.mark.parametrize("mode", ["default", "none"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_few_rows_narrow_blocks(dtype, mode, rows, k):

@@ -2170,7 +2170,10 @@ cudaError_t launch_few_rows_tiles(const Args<T>& a, const DeviceInfo& d, cudaStr
 // stops 40, 41 and 45 in benchmarks/results/square_matmul_overlap.md):
 // - x @ W: 1 (each thread's W loads 4-byte chunks, twice the blocks of 2) for one tile of
 //   rows up to K = 2048: one row at K = 2048 took 12.3-12.8 us against 13.3-13.7 with 2, but
-//   16 rows lost 0.3-0.4 us at K = 1024 with it. Else 2 (8-byte chunks) up to K = 2048, and up
+//   16 rows lost 0.3-0.4 us at K = 1024 with it. And 1 for 17-64 rows (the zero-workspace
+//   mode) up to K = 1024: 8-11% faster there (three sweeps per arm, fp16 and bf16, with and
+//   without bias; 64 rows 13.9-15.0 us against 15.3-16.4), but at K = 2048 even at 17 rows
+//   and up to 5% slower at 32-64 (stop 46). Else 2 (8-byte chunks) up to K = 2048, and up
 //   to 4096 from 17 rows; beyond, 4 (16-byte chunks in half the blocks), with which up to 16
 //   rows ran 9-16% slower at K = 1024 and 17-64 rows 5-24% slower at K <= 4096, but 2 was
 //   7-10% slower at K = 4096 (up to 16 rows) and up to 12% at K = 8192 (64 rows).
@@ -2180,8 +2183,8 @@ template <typename T, bool TRANS>
 cudaError_t launch_few_rows_any(const Args<T>& a, const DeviceInfo& d, cudaStream_t stream) {
   const bool many = a.rows > 16;
   if constexpr (!TRANS) {
-    if (a.rows <= 8 && a.k <= 2048) {
-      const cudaError_t err = launch_few_rows<T, TRANS, 1, 1>(a, d, stream);
+    if ((a.rows <= 8 && a.k <= 2048) || (many && a.k <= 1024)) {
+      const cudaError_t err = launch_few_rows_tiles<T, TRANS, 1>(a, d, stream);
       if (err != cudaErrorCooperativeLaunchTooLarge) return err;
     }
     return a.k <= (many ? 4096 : 2048) ? launch_few_rows_tiles<T, TRANS, 2>(a, d, stream)
