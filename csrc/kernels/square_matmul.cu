@@ -2171,7 +2171,7 @@ cudaError_t launch_few_rows_tiles(const Args<T>& a, const DeviceInfo& d, cudaStr
 // - x @ W: 1 (each thread's W loads 4-byte chunks, twice the blocks of 2) for one tile of
 //   rows up to K = 2048: one row at K = 2048 took 12.3-12.8 us against 13.3-13.7 with 2, but
 //   16 rows lost 0.3-0.4 us at K = 1024 with it. And 1 for 17-64 rows (the zero-workspace
-//   mode) up to K = 1024: 8-11% faster there (three sweeps per arm, fp16 and bf16, with and
+//   mode) up to K = 1024: 7-11% faster there (three sweeps per arm, fp16 and bf16, with and
 //   without bias; 64 rows 13.9-15.0 us against 15.3-16.4), but at K = 2048 even at 17 rows
 //   and up to 5% slower at 32-64 (stop 46). Else 2 (8-byte chunks) up to K = 2048, and up
 //   to 4096 from 17 rows; beyond, 4 (16-byte chunks in half the blocks), with which up to 16
