@@ -86,6 +86,32 @@ struct MaxState {
   }
 };
 
+// The states of R rows reduced together: one pass through each level (shuffles, barrier,
+// cluster exchange) serves all R.
+template <class S, int R>
+struct RowStates {
+  S s[R];
+  static __device__ __forceinline__ RowStates identity() {
+    RowStates x;
+#pragma unroll
+    for (int i = 0; i < R; ++i) x.s[i] = S::identity();
+    return x;
+  }
+  static __device__ __forceinline__ RowStates combine(const RowStates& x, const RowStates& y) {
+    RowStates z;
+#pragma unroll
+    for (int i = 0; i < R; ++i) z.s[i] = S::combine(x.s[i], y.s[i]);
+    return z;
+  }
+  template <class F>
+  __device__ __forceinline__ RowStates map(F f) const {
+    RowStates z;
+#pragma unroll
+    for (int i = 0; i < R; ++i) z.s[i] = s[i].map(f);
+    return z;
+  }
+};
+
 template <class S, class = void>
 struct HasChunkAllreduce : std::false_type {};
 template <class S>

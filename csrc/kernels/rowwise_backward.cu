@@ -56,6 +56,9 @@
 namespace mti {
 namespace {
 
+// The shared path's clusters past which Op::kSharedRows apply.
+constexpr int kGroupedRowsCluster = 8;
+
 // The backward kernel's paths (see the top of the file).
 // kRegisterCluster is kRegisters compiled with the cluster reduction, which costs the
 // single-CTA kernels 4-10 registers (sm_90a).
@@ -135,6 +138,7 @@ template <typename A>
 struct Split {
   static constexpr bool kLo = !std::is_same_v<A, float>;
   float hi, lo;
+  Split() = default;
   __device__ __forceinline__ explicit Split(A v)
       : hi(static_cast<float>(v)), lo(static_cast<float>(v - static_cast<A>(hi))) {}
 };
@@ -180,6 +184,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   static constexpr int kColumnValues = 0;
   template <Path>
   static constexpr bool kCacheColumns = false;
+  static constexpr int kSharedRows = 1;
 
   struct Row {
     int64_t limit;  // columns from `limit` on are causally masked
@@ -268,6 +273,14 @@ struct NormBackwardOp {
   static constexpr int kColumnValues = sizeof(T) == 4 ? 2 : 3;
   template <Path kPath>
   static constexpr bool kCacheColumns = sizeof(T) == 2 || kPath == Path::kShared;
+  // Rows per step on clusters of more than kGroupedRowsCluster CTAs on the shared path (see
+  // backward_kernel's kR), where that costs no occupancy: 16-bit rows take two, which share
+  // one pass of each reduction, the cluster's included, whose cost grows with the cluster.
+  // fp32 rows stage twice the bytes per element, and two of them leave one CTA per SM.
+  // H100, 2^26 elements, both parameter gradients, against one row a step (all clusters
+  // then; rowwise_cluster_profile.md, stop 46): N = 65536 (clusters of 16) +2-5%,
+  // 16384-32768 (4-8) -1-2%, 8192 (2) even.
+  static constexpr int kSharedRows = sizeof(T) == 2 ? 2 : 1;
   enum { kW, kB, kRw };
 
   const T* weight;  // nullptr or n contiguous elements
@@ -429,8 +442,8 @@ struct ColumnCache {
 // per-thread column sums (the rows of a CTA add theirs there at the end, see backward_kernel;
 // only the scalar path, which stages nothing, needs more).
 constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads, bool params,
-                                         int column_values) {
-  const int64_t staged = staging_buffers(path, vec) * 2 * int64_t{nv} * threads * 16;
+                                         int column_values, int rows = 1) {
+  const int64_t staged = staging_buffers(path, vec) * 2 * int64_t{rows} * nv * threads * 16;
   const int64_t cached = int64_t{column_values} * nv * vec * threads * int64_t{sizeof(float)};
   const int64_t sums = params ? int64_t{nv} * vec * threads * int64_t{sizeof(float)} : 0;
   return staged + cached > sums ? staged + cached : sums;
@@ -438,14 +451,20 @@ constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads
 
 // kCache (resident paths of ops with column values, see ColumnCache): the values of the
 // thread's columns are computed once, into shared memory, and read from there in each row.
-template <class Op, typename T, int VEC, int NV, Path kPath, bool kParams, bool kCache>
+// kR (the shared path only, see Op::kSharedRows): a row group takes kR rows at a time, staged
+// together and reduced together (RowStates), so that each reduction's fixed costs (shuffles,
+// barrier, cluster exchange) are paid once per kR rows.
+template <class Op, typename T, int VEC, int NV, Path kPath, bool kParams, bool kCache,
+          int kR = 1>
 __global__ void __launch_bounds__(kMaxThreads, 2)
     backward_kernel(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
                     const BackwardRows L, const Op op, const int tpr, const int cluster,
                     const Partials part) {
   using State = typename Op::State;
+  using Rows = RowStates<State, kR>;
   constexpr bool kStream = kPath == Path::kStream;
   constexpr bool kShared = kPath == Path::kShared;
+  static_assert(kR == 1 || kShared, "rows are taken kR at a time on the shared path only");
   static_assert(!kShared || VEC > 1, "the shared path stages 16-byte vectors");
   // Whether a row may span a cluster's CTAs here (the launcher gives the others cluster == 1).
   constexpr bool kClusters =
@@ -458,8 +477,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   constexpr bool kPrefetch = staging_buffers(kPath, VEC) == 1;
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
-  __shared__ State warp_totals[2][kMaxWarps];
-  __shared__ ClusterExchange<State> exchange;
+  __shared__ Rows warp_totals[2][kMaxWarps];
+  __shared__ ClusterExchange<Rows> exchange;
 
   const bool cta_rows = kClusters || tpr > kWarpSize;
   const int group = tpr;
@@ -472,7 +491,9 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   const int64_t ycs = VEC == 1 ? L.y.col_stride : 1;
   const int64_t gcs = VEC == 1 ? L.grad.col_stride : 1;
   const int64_t xcs = VEC == 1 ? L.grad_x.col_stride : 1;
-  const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
+  // Row groups of kR rows each: row i of group grp is row_of(grp, i).
+  const int64_t row_groups = ceil_div(L.y.rows, int64_t{rows_per_cta} * kR);
+  auto row_of = [&](int64_t grp, int i) { return (grp * kR + i) * rows_per_cta + sub_row; };
   const int64_t first_group = blockIdx.x / ctas;
   const int64_t group_stride = gridDim.x / ctas;
   // This thread's first vector of the row; vector k of step s is NV * s + k group-widths on.
@@ -522,23 +543,27 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   // barrier.
   using Vec = Packed<T, VEC>;
   const int slot_stride = static_cast<int>(blockDim.x);
-  auto slots = [&](unsigned buffer, int array) {  // array 0: y, 1: dy
+  auto slots = [&](unsigned buffer, int i, int array) {  // row i; array 0: y, 1: dy
     return reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x +
-           (2 * buffer + array) * NV * slot_stride;
+           ((buffer * kR + i) * 2 + array) * NV * slot_stride;
   };
   // Two cp.async commit groups. kShared commits empty ones where the group has no such row,
   // so that every row adds the same number of groups (see its cp_async_wait below);
   // kPrefetch waits for all groups and commits none for a missing row (with empty ones,
   // three of its kernels spilled 4 bytes on sm_75).
   auto stage_row = [&](int64_t grp, unsigned buffer) {
-    const int64_t r = grp * rows_per_cta + sub_row;
-    const bool has_row = grp < row_groups && r < L.y.rows;
-    if (kPrefetch && !has_row) return;
-    const int end = has_row ? static_cast<int>(n) : 0;
-    const StepCursor<int, 0> at{v0, group};
-    stage_step<NV>(slots(buffer, 0), slot_stride, y + (has_row ? L.y.row.offset(r) : 0), at, end);
-    stage_step<NV>(slots(buffer, 1), slot_stride, dy + (has_row ? L.grad.row.offset(r) : 0), at,
-                   end);
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      const int64_t r = row_of(grp, i);
+      const bool has_row = grp < row_groups && r < L.y.rows;
+      if (kPrefetch && !has_row) return;
+      const int end = has_row ? static_cast<int>(n) : 0;
+      const StepCursor<int, 0> at{v0, group};
+      stage_step<NV>(slots(buffer, i, 0), slot_stride, y + (has_row ? L.y.row.offset(r) : 0), at,
+                     end);
+      stage_step<NV>(slots(buffer, i, 1), slot_stride, dy + (has_row ? L.grad.row.offset(r) : 0),
+                     at, end);
+    }
   };
   if constexpr (kShared || kPrefetch) stage_row(first_group, 0);
   // The column cache, after the staging buffers; filled while the first row's copies are on
@@ -548,7 +573,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   static_assert(!kCache || (!kStream && Op::template kCacheColumns<kPath>),
                 "no column cache here");
   Vec* const staging_end =
-      reinterpret_cast<Vec*>(dynamic_smem) + staging_buffers(kPath, VEC) * 2 * NV * slot_stride;
+      reinterpret_cast<Vec*>(dynamic_smem) + staging_buffers(kPath, VEC) * 2 * kR * NV * slot_stride;
   const Cache cache{reinterpret_cast<typename Cache::Chunk*>(staging_end) + threadIdx.x,
                     slot_stride};
   if constexpr (kCache) {
@@ -574,24 +599,30 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
 
   unsigned rows_done = 0;  // picks the staging buffer and cta_allreduce's
   for (int64_t grp = first_group; grp < row_groups; grp += group_stride) {
-    const int64_t r = grp * rows_per_cta + sub_row;
-    const bool active = r < L.y.rows;
-    // Inactive threads (past the last row) take part in the reductions with nothing.
-    const Col end = active ? static_cast<Col>(n) : 0;
-    const T* yr = y + (active ? L.y.row.offset(r) : 0);
-    const T* gr = dy + (active ? L.grad.row.offset(r) : 0);
-    const typename Op::Row rc = op.row(active ? r : 0);
-    const Col steps = kStream ? static_cast<Col>(ceil_div(end, int64_t{NV} * group * VEC)) : 1;
+    // Row i of the group; inactive threads (past the last row) take part in the reductions
+    // with nothing.
+    int64_t r[kR];
+    bool active[kR];
+    Col end[kR];
+    typename Op::Row rc[kR];
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      r[i] = row_of(grp, i);
+      active[i] = r[i] < L.y.rows;
+      end[i] = active[i] ? static_cast<Col>(n) : 0;
+      rc[i] = op.row(active[i] ? r[i] : 0);
+    }
+    const T* yr = y + (active[0] ? L.y.row.offset(r[0]) : 0);
+    const T* gr = dy + (active[0] ? L.grad.row.offset(r[0]) : 0);
+    const Col steps = kStream ? static_cast<Col>(ceil_div(end[0], int64_t{NV} * group * VEC)) : 1;
     const unsigned buffer = kShared ? rows_done % 2 : 0;
     if constexpr (kShared) {
-      // The other buffer's last reader, this thread's write of the previous row, has its
-      // values in registers (its stores depend on them): it can take the next row. Then wait
-      // for this row's two groups only.
+      // The other buffer's last reader, this thread's write of the previous rows, has its
+      // values in registers (its stores depend on them): it can take the next rows. Then wait
+      // for these rows' groups only.
       stage_row(grp + group_stride, buffer ^ 1u);
-      cp_async_wait<2>();
+      cp_async_wait<2 * kR>();
     }
-    const StagedVectors<VEC, T> staged_y{slots(buffer, 0), slot_stride},
-        staged_g{slots(buffer, 1), slot_stride};
 
     // y's and dy's vectors of step s into registers (raw: 16-bit types stay packed), from
     // the prefetched copy or global memory: once per row (register path) or twice
@@ -601,46 +632,51 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     auto load_step = [&](Col s) {
       if constexpr (kPrefetch) cp_async_wait<0>();
       if constexpr (!kShared) {
+        const StagedVectors<VEC, T> staged_y{slots(0, 0, 0), slot_stride},
+            staged_g{slots(0, 0, 1), slot_stride};
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
           const Col c0 = column(s, k);
-          if (c0 < end) {
+          if (c0 < end[0]) {
             yv[k] = kPrefetch ? staged_y(k, c0) : load_vec<VEC>(yr, c0, ycs);
             gv[k] = kPrefetch ? staged_g(k, c0) : load_vec<VEC>(gr, c0, gcs);
           }
         }
       }
     };
-    // Vector k of the current step as floats.
-    auto widen = [&](float (&yf)[VEC], float (&gf)[VEC], int k, Col c0) {
+    // Vector k of row i of the current step as floats.
+    auto widen = [&](float (&yf)[VEC], float (&gf)[VEC], int i, int k, Col c0) {
       if constexpr (kShared) {
-        to_floats(yf, staged_y(k, c0));
-        to_floats(gf, staged_g(k, c0));
+        to_floats(yf, StagedVectors<VEC, T>{slots(buffer, i, 0), slot_stride}(k, c0));
+        to_floats(gf, StagedVectors<VEC, T>{slots(buffer, i, 1), slot_stride}(k, c0));
       } else {
         to_floats(yf, yv[k]);
         to_floats(gf, gv[k]);
       }
     };
-    // Two partial sums, by vector parity: half as long a chain of dependent adds.
-    State part[2] = {State::identity(), State::identity()};
+    // Two partial sums per row, by vector parity: half as long a chain of dependent adds.
+    Rows part[2] = {Rows::identity(), Rows::identity()};
     for (Col s = 0; s < steps; ++s) {
       load_step(s);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const Col c0 = column(s, k);
-        if (c0 < end) {
-          float yf[VEC], gf[VEC];
-          widen(yf, gf, k, c0);
-          op.add(part[k % 2], yf, gf, values(k, c0));
+#pragma unroll
+        for (int i = 0; i < kR; ++i) {
+          if (c0 < end[i]) {
+            float yf[VEC], gf[VEC];
+            widen(yf, gf, i, k, c0);
+            op.add(part[k % 2].s[i], yf, gf, values(k, c0));
+          }
         }
       }
     }
-    const State mine = State::combine(part[0], part[1]);
+    const Rows mine = Rows::combine(part[0], part[1]);
     // `mine` depends on every prefetched value, so they are all in registers: the slots can
     // take the next row.
     if constexpr (kPrefetch) stage_row(grp + group_stride, 0);
     // A whole warp's width as a constant: its steps then test and branch nothing.
-    State total = cta_rows ? warp_allreduce(mine, kWarpSize) : warp_allreduce(mine, tpr);
+    Rows total = cta_rows ? warp_allreduce(mine, kWarpSize) : warp_allreduce(mine, tpr);
     if (cta_rows)
       total = cta_allreduce(total, warp_totals[rows_done % 2], sub_row * (group / kWarpSize),
                             group / kWarpSize);
@@ -648,32 +684,40 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
       if (cluster > 1) total = cluster_allreduce(total, exchange, rows_done, rank, cluster);
     }
     ++rows_done;
-    if (!active) continue;  // no barrier follows in this iteration
-    const typename Op::Fin fin = op.finish(total, rc);
-    T* xr = dx ? dx + L.grad_x.row.offset(r) : nullptr;
+    if (!active[0]) continue;  // no barrier follows in this iteration
+    typename Op::Fin fin[kR];
+    T* xr[kR];
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      fin[i] = op.finish(total.s[i], rc[i]);
+      xr[i] = dx && active[i] ? dx + L.grad_x.row.offset(r[i]) : nullptr;
+    }
 
     for (Col s = 0; s < steps; ++s) {
       if constexpr (kStream) load_step(s);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const Col c0 = column(s, k);
-        if (c0 >= end) continue;
-        float yf[VEC], gf[VEC];
-        widen(yf, gf, k, c0);
-        float out[VEC];
-        if constexpr (kParams && kStream) {
-          float w[VEC] = {}, b[VEC] = {};
-          op.template grad<true>(out, w, b, yf, gf, values(k, c0), c0, rc, fin);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            if (sum_w) sum_w[c0 + j] += w[j];
-            if (sum_b) sum_b[c0 + j] += b[j];
+        for (int i = 0; i < kR; ++i) {
+          if (c0 >= end[i]) continue;
+          float yf[VEC], gf[VEC];
+          widen(yf, gf, i, k, c0);
+          float out[VEC];
+          if constexpr (kParams && kStream) {
+            float w[VEC] = {}, b[VEC] = {};
+            op.template grad<true>(out, w, b, yf, gf, values(k, c0), c0, rc[i], fin[i]);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+              if (sum_w) sum_w[c0 + j] += w[j];
+              if (sum_b) sum_b[c0 + j] += b[j];
+            }
+          } else {
+            op.template grad<kParams>(out, acc_w[k], acc_b[k], yf, gf, values(k, c0), c0, rc[i],
+                                      fin[i]);
           }
-        } else {
-          op.template grad<kParams>(out, acc_w[k], acc_b[k], yf, gf, values(k, c0), c0, rc,
-                                    fin);
+          if (xr[i]) store_vec<VEC>(xr[i], c0, xcs, out);
         }
-        if (xr) store_vec<VEC>(xr, c0, xcs, out);
       }
     }
   }
@@ -905,14 +949,14 @@ const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, Path::kStream};
 // occupancy_units() of the resident backward_kernel (VEC, kPath, kParams, kCache): 0 if none
 // fits (the staged rows and cached columns exceed the shared memory a CTA may have). Queried
 // once per device, CTA size and cluster size.
-template <class Op, typename T, int VEC, Path kPath, bool kParams, bool kCache>
+template <class Op, typename T, int VEC, Path kPath, bool kParams, bool kCache, int kR = 1>
 int64_t resident_backward_units(int device, int threads, int cluster, int sm_count) {
   static std::atomic<int> cache[kMaxWarps + 1][kMaxCluster + 1][kMaxDevices];
   return once_per_device(cache[threads / kWarpSize][cluster], device, [&](int) {
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
-    const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache>;
+    const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR>;
     const int64_t smem = resident_backward_smem(kPath, VEC, NV, threads, kParams,
-                                                kCache ? Op::kColumnValues : 0);
+                                                kCache ? Op::kColumnValues : 0, kR);
     return occupancy_units(kernel, threads, cluster, static_cast<size_t>(smem), sm_count);
   });
 }
@@ -922,11 +966,13 @@ using WideRegisters = std::integral_constant<Path, Path::kWideRegisters>;
 using RegisterCluster = std::integral_constant<Path, Path::kRegisterCluster>;
 using WideRegisterCluster = std::integral_constant<Path, Path::kWideRegisterCluster>;
 using Shared = std::integral_constant<Path, Path::kShared>;
+using One = std::integral_constant<int, 1>;
 
 // How a backward pass is launched: the vector width, the thread shape and the grid.
 struct Launch {
   bool vec = false;
   bool cache = false;  // resident vector rows with the column cache (see ColumnCache)
+  int shared_rows = 1;  // rows per row group and step on the shared path (kR)
   Shape shape;
   int64_t grid = 0;          // CTAs
   int64_t partial_rows = 0;  // P: scratch rows per wanted parameter gradient
@@ -992,9 +1038,10 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   // Row groups (CTAs or clusters) the grid may hold.
   int64_t max_units = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
   if (l.shape.path != Path::kStream) {
-    const auto resident = [&](auto params_const, auto cache_const) -> int64_t {
+    const auto resident = [&](auto params_const, auto cache_const, auto rows_const) -> int64_t {
       constexpr bool kParams = decltype(params_const)::value;
       constexpr bool kCache = decltype(cache_const)::value;
+      constexpr int kR = decltype(rows_const)::value;
       const int threads = l.shape.threads, cluster = l.shape.cluster;
       if (!l.vec) {
         if constexpr (kCache) return 0;  // the scalar path reads its columns from global memory
@@ -1004,10 +1051,11 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
       // 0 where the op caches no columns on the path.
       const auto on = [&](auto path_const) -> int64_t {
         constexpr Path kPath = decltype(path_const)::value;
-        if constexpr (kCache && !Op::template kCacheColumns<kPath>)
+        if constexpr ((kCache && !Op::template kCacheColumns<kPath>) ||
+                      (kR > 1 && kPath != Path::kShared))
           return 0;
         else
-          return resident_backward_units<Op, T, kVec<T>, kPath, kParams, kCache>(
+          return resident_backward_units<Op, T, kVec<T>, kPath, kParams, kCache, kR>(
               device, threads, cluster, sm_count);
       };
       if constexpr (has_wide_registers<Op>()) {
@@ -1018,12 +1066,22 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
         if (l.shape.path == Path::kRegisterCluster) return on(RegisterCluster{});
       return l.shape.path == Path::kShared ? on(Shared{}) : on(Registers{});
     };
-    // The cache where it costs no occupancy (its shared memory may leave fewer CTAs per SM).
+    // The cache, and then rows taken Op::kSharedRows at a time, where they cost no
+    // occupancy (their shared memory may leave fewer CTAs per SM).
     const auto fitting = [&](auto params_const) {
-      const int64_t plain = resident(params_const, std::false_type{});
-      const int64_t cached = resident(params_const, std::true_type{});
+      const int64_t plain = resident(params_const, std::false_type{}, One{});
+      const int64_t cached = resident(params_const, std::true_type{}, One{});
       l.cache = cached > 0 && cached >= plain;
-      return l.cache ? cached : plain;
+      const int64_t units = l.cache ? cached : plain;
+      if constexpr (Op::kSharedRows > 1) {
+        if (l.cache && l.shape.path == Path::kShared && l.shape.cluster > kGroupedRowsCluster) {
+          const int64_t grouped = resident(params_const, std::true_type{},
+                                           std::integral_constant<int, Op::kSharedRows>{});
+          l.shared_rows = grouped >= units ? Op::kSharedRows : 1;
+          if (l.shared_rows > 1) return grouped;
+        }
+      }
+      return units;
     };
     int64_t fits = 0;
     if constexpr (Op::kHasParams)
@@ -1037,7 +1095,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
       l.shape = kStreamShape;
     }
   }
-  const int64_t rows_per_cta = l.shape.threads / l.shape.tpr;
+  const int64_t rows_per_cta = l.shape.threads / l.shape.tpr * l.shared_rows;
   const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
   if (params) {
     const int64_t bound =
@@ -1097,42 +1155,50 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
   }
   // resident_backward_units, called by plan_launch, has lifted the shared memory limit and
   // allowed the cluster size.
-  const auto resident = [&](auto path_const, auto cache_const) {
+  const auto resident = [&](auto path_const, auto cache_const, auto rows_const) {
     constexpr Path kPath = decltype(path_const)::value;
     constexpr bool kCache = decltype(cache_const)::value;
+    constexpr int kR = decltype(rows_const)::value;
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(grid);
     config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
     config.dynamicSmemBytes = static_cast<size_t>(resident_backward_smem(
-        kPath, VEC, NV, l.shape.threads, kParams, kCache ? Op::kColumnValues : 0));
+        kPath, VEC, NV, l.shape.threads, kParams, kCache ? Op::kColumnValues : 0, kR));
     config.stream = stream;
     cudaLaunchAttribute dims = cluster_dims(l.shape.cluster);
     config.attrs = &dims;
     config.numAttrs = l.shape.cluster > 1 ? 1 : 0;
     const cudaError_t err =
-        cudaLaunchKernelEx(&config, backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache>, y,
-                           dy, dx, L, op, l.shape.tpr, l.shape.cluster, part);
+        cudaLaunchKernelEx(&config, backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR>,
+                           y, dy, dx, L, op, l.shape.tpr, l.shape.cluster, part);
     return err != cudaSuccess ? err : cudaGetLastError();
   };
   if constexpr (VEC > 1) {
     if (l.cache) {  // (plan_launch sets it only where the op caches on the path)
-      if constexpr (Op::template kCacheColumns<Path::kShared>)
-        if (l.shape.path == Path::kShared) return resident(Shared{}, std::true_type{});
+      if constexpr (Op::template kCacheColumns<Path::kShared>) {
+        if constexpr (Op::kSharedRows > 1)
+          if (l.shape.path == Path::kShared && l.shared_rows > 1)
+            return resident(Shared{}, std::true_type{},
+                            std::integral_constant<int, Op::kSharedRows>{});
+        if (l.shape.path == Path::kShared) return resident(Shared{}, std::true_type{}, One{});
+      }
       if constexpr (Op::template kCacheColumns<Path::kRegisters>)
-        if (l.shape.path == Path::kRegisters) return resident(Registers{}, std::true_type{});
+        if (l.shape.path == Path::kRegisters)
+          return resident(Registers{}, std::true_type{}, One{});
     }
-    if (l.shape.path == Path::kShared) return resident(Shared{}, std::false_type{});
+    if (l.shape.path == Path::kShared) return resident(Shared{}, std::false_type{}, One{});
     if constexpr (has_wide_registers<Op>()) {
-      if (l.shape.path == Path::kWideRegisters) return resident(WideRegisters{}, std::false_type{});
+      if (l.shape.path == Path::kWideRegisters)
+        return resident(WideRegisters{}, std::false_type{}, One{});
       if (l.shape.path == Path::kWideRegisterCluster)
-        return resident(WideRegisterCluster{}, std::false_type{});
+        return resident(WideRegisterCluster{}, std::false_type{}, One{});
     }
     if constexpr (Op::kClusterRegisters)
       if (l.shape.path == Path::kRegisterCluster)
-        return resident(RegisterCluster{}, std::false_type{});
+        return resident(RegisterCluster{}, std::false_type{}, One{});
   }
-  return resident(Registers{}, std::false_type{});
+  return resident(Registers{}, std::false_type{}, One{});
 }
 
 // Launches the path `l` names; with parameter gradients when `part` holds any.
