@@ -24,7 +24,8 @@
 //    holds a row. Two buffers: the next row's vectors are on their way while the current row
 //    is reduced and written. Slower than registers where those hold the row (measured 5-15%
 //    on an H100 at 0794bd0: a shared memory read per vector and pass, and half the rows in
-//    flight).
+//    flight). 16-bit norm rows on the largest clusters take two rows at a time
+//    (NormBackwardOp::kSharedRows).
 //  - Path::kStream: rows longer than a cluster holds; a first pass over the steps reduces, a
 //    second reads y and grad again (from L2 where the row is still there) and writes.
 // With every col_stride 1, 16-byte aligned rows (and mask rows, weight, bias) and n a multiple
@@ -276,10 +277,12 @@ struct NormBackwardOp {
   // Rows per step on clusters of more than kGroupedRowsCluster CTAs on the shared path (see
   // backward_kernel's kR), where that costs no occupancy: 16-bit rows take two, which share
   // one pass of each reduction, the cluster's included, whose cost grows with the cluster.
+  // H100, 2^26 elements, both parameter gradients, ratio to clone-equivalent bandwidth, main
+  // and this built side by side, three sweeps each in turns: N = 65536 (clusters of 16),
+  // LayerNorm bf16 / fp16 0.681-0.687 / 0.680-0.690 -> 0.721-0.727 / 0.721-0.724, RMSNorm
+  // 0.715-0.724 / 0.724-0.731 -> 0.765-0.769 / 0.761-0.762. On every cluster (an earlier
+  // build) rows of 16384-32768 (clusters of 4-8) lost 1-2% and 8192 (2) gained nothing.
   // fp32 rows stage twice the bytes per element, and two of them leave one CTA per SM.
-  // H100, 2^26 elements, both parameter gradients, against one row a step (all clusters
-  // then; rowwise_cluster_profile.md, stop 46): N = 65536 (clusters of 16) +2-5%,
-  // 16384-32768 (4-8) -1-2%, 8192 (2) even.
   static constexpr int kSharedRows = sizeof(T) == 2 ? 2 : 1;
   enum { kW, kB, kRw };
 
@@ -437,10 +440,11 @@ struct ColumnCache {
   }
 };
 
-// Dynamic shared memory of a resident launch: its staging buffers and its column cache
-// (`column_values` arrays, 0 without one), and with parameter gradients at least the CTA's
-// per-thread column sums (the rows of a CTA add theirs there at the end, see backward_kernel;
-// only the scalar path, which stages nothing, needs more).
+// Dynamic shared memory of a resident launch: its staging buffers (of `rows` rows each, see
+// backward_kernel's kR) and its column cache (`column_values` arrays, 0 without one), and
+// with parameter gradients at least the CTA's per-thread column sums (the rows of a CTA add
+// theirs there at the end, see backward_kernel; only the scalar path, which stages nothing,
+// needs more).
 constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads, bool params,
                                          int column_values, int rows = 1) {
   const int64_t staged = staging_buffers(path, vec) * 2 * int64_t{rows} * nv * threads * 16;
@@ -547,7 +551,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     return reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x +
            ((buffer * kR + i) * 2 + array) * NV * slot_stride;
   };
-  // Two cp.async commit groups. kShared commits empty ones where the group has no such row,
+  // Two cp.async commit groups per row. kShared commits empty ones where the group has no such row,
   // so that every row adds the same number of groups (see its cp_async_wait below);
   // kPrefetch waits for all groups and commits none for a missing row (with empty ones,
   // three of its kernels spilled 4 bytes on sm_75).
@@ -573,7 +577,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   static_assert(!kCache || (!kStream && Op::template kCacheColumns<kPath>),
                 "no column cache here");
   Vec* const staging_end =
-      reinterpret_cast<Vec*>(dynamic_smem) + staging_buffers(kPath, VEC) * 2 * kR * NV * slot_stride;
+      reinterpret_cast<Vec*>(dynamic_smem) + staging_buffers(kPath, VEC) * 2 * kR * NV *
+                                                 slot_stride;
   const Cache cache{reinterpret_cast<typename Cache::Chunk*>(staging_end) + threadIdx.x,
                     slot_stride};
   if constexpr (kCache) {
