@@ -446,7 +446,7 @@ struct ColumnCache {
 // theirs there at the end, see backward_kernel; only the scalar path, which stages nothing,
 // needs more).
 constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads, bool params,
-                                         int column_values, int rows = 1) {
+                                         int column_values, int rows) {
   const int64_t staged = staging_buffers(path, vec) * 2 * int64_t{rows} * nv * threads * 16;
   const int64_t cached = int64_t{column_values} * nv * vec * threads * int64_t{sizeof(float)};
   const int64_t sums = params ? int64_t{nv} * vec * threads * int64_t{sizeof(float)} : 0;
@@ -660,6 +660,10 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
       }
     };
     // Two partial sums per row, by vector parity: half as long a chain of dependent adds.
+    // Each row asks values() for its vector's columns itself: read once ahead of the rows,
+    // they stayed in registers across both, which cost the one-row kernels compiled from this
+    // loop registers and speed (stop 46, rowwise_cluster_profile.md); the two rows' reads are
+    // of the same shared-memory slots.
     Rows part[2] = {Rows::identity(), Rows::identity()};
     for (Col s = 0; s < steps; ++s) {
       load_step(s);
