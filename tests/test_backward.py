@@ -250,16 +250,18 @@ def test_norm_weight_zero_gives_finite_gradients():
 # --------------------------------------------------------------------------- clusters
 
 # Vector rows longer than a CTA's registers hold (8192 elements for softmax, 4096 for the
-# norms) are held by a cluster of CTAs on sm_90 and streamed elsewhere. Softmax and fp32
-# log_softmax keep a CTA's share in its registers (8192 elements, so clusters of 16 hold
-# 131072); 16-bit log_softmax and the norms stage it in shared memory (8192 16-bit elements;
-# for the norms 4096 fp32 / 8192 16-bit elements, 4096 for 16-bit norms with weight or bias
-# gradients, so 16-bit RMSNorm without a weight holds 8192 in one CTA on every architecture).
-# Widths on both sides of the register path's limit, with full and with mostly idle last
-# CTAs, clusters of 2 to 16 CTAs, and rows past what clusters of 16 hold; at least as many
-# rows as fit on an H100 at once (264 CTAs), so each CTA strides over rows through its
-# staging buffers.
-CLUSTER_WIDTHS = (4100, 8192, 12288, 16448, 20480, 32768, 36864, 61440, 65536, 131072, 131080)
+# norms) are held by a cluster of CTAs on sm_90 and streamed elsewhere. Softmax's register
+# rows first take a CTA of up to 512 threads (16384 fp32 / 32768 16-bit elements), as do the
+# 16-bit norms' rows of up to 8192, and softmax's register clusters CTAs of 512 where those of
+# 256 would number enough (kernels/rowwise_backward.cu, kLargeCtaThreads); 16-bit log_softmax
+# and the norms stage a CTA's share in shared memory (8192 16-bit elements; for the norms
+# 4096 fp32 / 8192 16-bit elements, 4096 for 16-bit norms with weight or bias gradients).
+# Widths on both sides of each limit, with full and with mostly idle last CTAs (6144, 12288
+# and 20480 fill part of a CTA of 512), clusters of 2 to 16 CTAs, and rows past what clusters
+# of 16 hold; at least as many rows as fit on an H100 at once (264 CTAs), so each CTA strides
+# over rows through its staging buffers.
+CLUSTER_WIDTHS = (4100, 6144, 8192, 12288, 16448, 20480, 32768, 36864, 61440, 65536, 131072,
+                  131080)
 CLUSTER_OPS = ("softmax", "log_softmax_causal", "layer_norm", "rms_norm", "rms_norm_no_weight")
 
 

@@ -139,20 +139,22 @@ __device__ __forceinline__ bool warp_all(bool p) { return __all_sync(__activemas
 
 // Reduces the per-warp totals of the rows of a CTA, each row held by `row_warps` consecutive
 // warps from `first_warp` on (by default the whole CTA holds one row); every thread must call
-// it with its warp's total and gets its row's total. `buf` (kMaxWarps states) must not be in
-// use by the previous call: callers alternate two buffers, and the __syncthreads of the
-// previous call on the other buffer orders each read of this one before its next overwrite.
-// The totals are folded by a butterfly in every aligned group of kMaxWarps lanes (a group's
-// lane i takes the row's warp i's total, or the identity past its last warp), log2(kMaxWarps)
-// combines deep instead of a chain of one per warp; identity is exact under combine, and the
-// butterfly leaves the same bits in every lane (see warp_allreduce).
-template <class S>
+// it with its warp's total and gets its row's total. `buf` (kWarps states, kWarps >= the CTA's
+// warps, a power of two) must not be in use by the previous call: callers alternate two
+// buffers, and the __syncthreads of the previous call on the other buffer orders each read of
+// this one before its next overwrite. The totals are folded by a butterfly in every aligned
+// group of kWarps lanes (a group's lane i takes the row's warp i's total, or the identity past
+// its last warp), log2(kWarps) combines deep instead of a chain of one per warp; identity is
+// exact under combine, and the butterfly leaves the same bits in every lane (see
+// warp_allreduce).
+template <int kWarps = kMaxWarps, class S>
 __device__ __forceinline__ S cta_allreduce(const S& warp_total, S* buf, int first_warp = 0,
                                            int row_warps = blockDim.x / kWarpSize) {
+  static_assert(kWarps <= kWarpSize && (kWarps & (kWarps - 1)) == 0, "a butterfly of lanes");
   if (threadIdx.x % kWarpSize == 0) buf[threadIdx.x / kWarpSize] = warp_total;
   __syncthreads();
-  const int w = static_cast<int>(threadIdx.x) % kMaxWarps;
-  return warp_allreduce(w < row_warps ? buf[first_warp + w] : S::identity(), kMaxWarps);
+  const int w = static_cast<int>(threadIdx.x) % kWarps;
+  return warp_allreduce(w < row_warps ? buf[first_warp + w] : S::identity(), kWarps);
 }
 
 // Full cluster barrier with release/acquire semantics. Its release costs a GPU-scope fence

@@ -3,12 +3,12 @@
 //
 // One kernel serves both ops through a functor (SoftmaxBackwardOp, NormBackwardOp below). A
 // row belongs to a group of `tpr` threads: tpr <= 32 lanes, a run of whole warps (both with
-// as many rows per CTA as fit in kMaxThreads), or on sm_90+ a cluster of `cluster` CTAs of
-// kMaxThreads that reduce over distributed shared memory (kernels/reduce.cuh). Thread t of the
-// group owns the row's vectors t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring
-// vectors at a time), NV of them per step; in a cluster, CTA `rank` owns the rank-th run of
-// kMaxThreads * NV vectors. The grid strides over groups of rows (clusters), or has a CTA per
-// group where grid_waves() says so.
+// as many rows per CTA as fit in kMaxThreads), a CTA of up to kLargeCtaThreads (see there), or
+// on sm_90+ a cluster of `cluster` CTAs of kMaxThreads (or kLargeCtaThreads) that reduce over
+// distributed shared memory (kernels/reduce.cuh). Thread t of the group owns the row's vectors
+// t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring vectors at a time), NV of them
+// per step; in a cluster, CTA `rank` owns the rank-th run of tpr * NV vectors. The grid
+// strides over groups of rows (clusters), or has a CTA per group where grid_waves() says so.
 //  - Path::kRegisters: rows that a CTA holds in registers, one step, read once. Vector rows
 //    (16-byte accesses, see below) are prefetched: the thread's vectors of its next row are
 //    copied into shared memory (cp.async) while the current row is reduced and written.
@@ -121,6 +121,27 @@ constexpr bool has_wide_registers() {
 }
 
 constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
+// CTA size of the ops whose register rows take a CTA of more than kMaxThreads threads before a
+// cluster (Op::kLargeCtas; one CTA per SM at up to 128 registers a thread), and of their
+// register clusters (Op::kLargeClusterMin): a row then needs half the CTAs, and rows that CTAs
+// of kMaxThreads would share by a cluster reduction need none. H100,
+// 2^26 elements, backward, ratio to clone-equivalent bandwidth, CTAs of 256 -> 512 (one build,
+// switched at run time, three sweeps each; stop 47):
+// - fp32 softmax_ / log_softmax_ at N = 16384 (one CTA instead of a cluster of 2): 0.88 ->
+//   0.987 / 0.876 -> 0.925; at 32768 (clusters of 2 instead of 4) 0.86 -> 0.893 / 0.845 ->
+//   0.864; 131072 0.78 -> 0.84 / 0.745 -> 0.80; 262144 (clusters of 16, streamed before) 0.585
+//   -> 0.72 / 0.58 -> 0.67.
+// - 16-bit softmax_ / log_softmax_ at 32768 (one CTA of 64 per thread): 0.84 -> 0.90-0.91 /
+//   0.81 -> 0.91-0.92; softmax_ at 131072 (clusters of 8 instead of 16) 0.79 -> 0.82.
+// - 16-bit norms at 8192 (one CTA instead of a shared-path cluster of 2): layer_norm_ 0.78 ->
+//   0.79-0.80, rms_norm_ 0.82 -> 0.85-0.87.
+// Not taken (NormBackwardOp, SoftmaxBackwardOp::kLargeClusterMin): fp32 norms at 8192 lost
+// (0.883 -> 0.826 / 0.884 -> 0.854), as did 16-bit softmax_ on clusters of 4 at 65536 (0.833
+// -> 0.82) and of 16 at 262144 in place of the wide path (0.765 -> 0.752). The other widths
+// (CTAs of kMaxThreads either way) read the same. Softmax's large CTAs take a CTA per row
+// (grid_waves, as its rows of kMaxThreads): striding over rows, the next one prefetched, lost
+// 1-4% (fp32 16384 0.987 -> 0.950, 16-bit 32768 0.90 -> 0.89).
+constexpr int kLargeCtaThreads = 512;
 constexpr int kThreadsPerSm = 2048;
 constexpr int64_t kScratchFloor = int64_t{4} << 20;  // bytes of scratch always allowed
 
@@ -186,6 +207,9 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   template <Path>
   static constexpr bool kCacheColumns = false;
   static constexpr int kSharedRows = 1;
+  // See kLargeCtaThreads.
+  static constexpr bool kLargeCtas = true;
+  static constexpr int kLargeClusterMin = sizeof(T) == 4 ? 2 : 9;
 
   struct Row {
     int64_t limit;  // columns from `limit` on are causally masked
@@ -284,6 +308,9 @@ struct NormBackwardOp {
   // build) rows of 16384-32768 (clusters of 4-8) lost 1-2% and 8192 (2) gained nothing.
   // fp32 rows stage twice the bytes per element, and two of them leave one CTA per SM.
   static constexpr int kSharedRows = sizeof(T) == 2 ? 2 : 1;
+  // See kLargeCtaThreads; the norms have no register clusters.
+  static constexpr bool kLargeCtas = sizeof(T) == 2;
+  static constexpr int kLargeClusterMin = 0;
   enum { kW, kB, kRw };
 
   const T* weight;  // nullptr or n contiguous elements
@@ -458,9 +485,11 @@ constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads
 // kR (the shared path only, see Op::kSharedRows): a row group takes kR rows at a time, staged
 // together and reduced together (RowStates), so that each reduction's fixed costs (shuffles,
 // barrier, cluster exchange) are paid once per kR rows.
+// kCta: the CTA size the kernel is compiled for (kMaxThreads, two CTAs per SM, or
+// kLargeCtaThreads, one).
 template <class Op, typename T, int VEC, int NV, Path kPath, bool kParams, bool kCache,
-          int kR = 1>
-__global__ void __launch_bounds__(kMaxThreads, 2)
+          int kR = 1, int kCta = kMaxThreads>
+__global__ void __launch_bounds__(kCta, kCta > kMaxThreads ? 1 : 2)
     backward_kernel(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
                     const BackwardRows L, const Op op, const int tpr, const int cluster,
                     const Partials part) {
@@ -481,7 +510,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   constexpr bool kPrefetch = staging_buffers(kPath, VEC) == 1;
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
-  __shared__ Rows warp_totals[2][kMaxWarps];
+  __shared__ Rows warp_totals[2][kCta / kWarpSize];
   __shared__ ClusterExchange<Rows> exchange;
 
   const bool cta_rows = kClusters || tpr > kWarpSize;
@@ -687,8 +716,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     // A whole warp's width as a constant: its steps then test and branch nothing.
     Rows total = cta_rows ? warp_allreduce(mine, kWarpSize) : warp_allreduce(mine, tpr);
     if (cta_rows)
-      total = cta_allreduce(total, warp_totals[rows_done % 2], sub_row * (group / kWarpSize),
-                            group / kWarpSize);
+      total = cta_allreduce<kCta / kWarpSize>(total, warp_totals[rows_done % 2],
+                                              sub_row * (group / kWarpSize), group / kWarpSize);
     if constexpr (kClusters) {
       if (cluster > 1) total = cluster_allreduce(total, exchange, rows_done, rank, cluster);
     }
@@ -907,7 +936,10 @@ __global__ void __launch_bounds__(kMaxThreads)
 // has no wide paths) where only those do; else (cluster_registers) the registers of as few
 // CTAs as hold it with reg_nv each, or wide_nv where reg_nv needs more than max_cluster, or
 // (otherwise) their shared memory (shared_nv per thread), up to `max_cluster` CTAs (0:
-// none), else streamed.
+// none), else streamed. large_threads > 0 (Op::kLargeCtas): rows that one CTA of that many
+// threads holds in registers (wide_nv where the op has it) take one before any cluster, and
+// register clusters take such CTAs where those of kMaxThreads would number at least
+// large_cluster_min (Op::kLargeClusterMin) and hold the row without the wide path.
 struct Shape {
   int threads = 0;  // CTA size
   int tpr = 0;      // threads per row (a divisor of threads; on a cluster, the CTA's share)
@@ -916,7 +948,7 @@ struct Shape {
 };
 
 Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_cluster,
-                 bool cluster_registers) {
+                 bool cluster_registers, int large_threads, int large_cluster_min) {
   Shape s;
   if (vecs <= int64_t{kWarpSize} * reg_nv) {
     // The fewest lanes that hold the row: more bytes in flight per thread, fewer shuffles.
@@ -939,15 +971,29 @@ Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_c
     s.path = Path::kWideRegisters;
     return s;
   }
+  if (large_threads > 0) {
+    const int nv = wide ? wide_nv : reg_nv;
+    if (vecs <= int64_t{large_threads} * nv) {
+      s.threads = s.tpr = static_cast<int>(round_up(ceil_div(vecs, nv), kWarpSize));
+      s.path = wide ? Path::kWideRegisters : Path::kRegisters;
+      return s;
+    }
+  }
   int64_t ctas = ceil_div(vecs, int64_t{kMaxThreads} * (cluster_registers ? reg_nv : shared_nv));
   s.path = cluster_registers ? Path::kRegisterCluster : Path::kShared;
+  if (cluster_registers && large_threads > 0 && ctas >= large_cluster_min &&
+      (ctas <= max_cluster || !wide)) {
+    ctas = ceil_div(vecs, int64_t{large_threads} * reg_nv);
+    s.threads = s.tpr = large_threads;
+  }
   if (cluster_registers && wide && ctas > max_cluster) {
-    ctas = ceil_div(vecs, int64_t{kMaxThreads} * wide_nv);
+    ctas = ceil_div(vecs, int64_t{s.threads} * wide_nv);
     s.path = Path::kWideRegisterCluster;
   }
   if (ctas <= max_cluster) {
     s.cluster = static_cast<int>(ctas);
   } else {
+    s.threads = s.tpr = kMaxThreads;
     s.path = Path::kStream;
   }
   return s;
@@ -955,15 +1001,23 @@ Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_c
 
 const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, Path::kStream};
 
+// Whether Op's kernels on kPath are compiled for CTAs of kLargeCtaThreads too: its register
+// paths, where Op::kLargeCtas.
+template <class Op>
+constexpr bool has_large_ctas(Path path) {
+  return Op::kLargeCtas && path != Path::kShared && path != Path::kStream;
+}
+
 // occupancy_units() of the resident backward_kernel (VEC, kPath, kParams, kCache): 0 if none
 // fits (the staged rows and cached columns exceed the shared memory a CTA may have). Queried
 // once per device, CTA size and cluster size.
-template <class Op, typename T, int VEC, Path kPath, bool kParams, bool kCache, int kR = 1>
+template <class Op, typename T, int VEC, Path kPath, bool kParams, bool kCache, int kR = 1,
+          int kCta = kMaxThreads>
 int64_t resident_backward_units(int device, int threads, int cluster, int sm_count) {
-  static std::atomic<int> cache[kMaxWarps + 1][kMaxCluster + 1][kMaxDevices];
+  static std::atomic<int> cache[kCta / kWarpSize + 1][kMaxCluster + 1][kMaxDevices];
   return once_per_device(cache[threads / kWarpSize][cluster], device, [&](int) {
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
-    const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR>;
+    const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, kCta>;
     const int64_t smem = resident_backward_smem(kPath, VEC, NV, threads, kParams,
                                                 kCache ? Op::kColumnValues : 0, kR);
     return occupancy_units(kernel, threads, cluster, static_cast<size_t>(smem), sm_count);
@@ -1041,9 +1095,14 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   const int vec = l.vec ? kVec<T> : 1;
   const bool params = param_arrays > 0;
   const int wide_nv = has_wide_registers<Op>() ? path_nv<Op>(Path::kWideRegisters, vec, params) : 0;
-  l.shape = pick_shape(ceil_div(n, vec), path_nv<Op>(Path::kRegisters, vec, params), wide_nv,
-                       path_nv<Op>(Path::kShared, vec, params),
-                       !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1, cluster_registers);
+  const auto shape = [&](bool large) {
+    return pick_shape(ceil_div(n, vec), path_nv<Op>(Path::kRegisters, vec, params), wide_nv,
+                      path_nv<Op>(Path::kShared, vec, params),
+                      !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1, cluster_registers,
+                      large ? kLargeCtaThreads : 0, Op::kLargeClusterMin);
+  };
+  // Vector rows only: scalar rows keep kScalarNV elements per thread on CTAs of kMaxThreads.
+  l.shape = shape(Op::kLargeCtas && l.vec);
   // Row groups (CTAs or clusters) the grid may hold.
   int64_t max_units = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
   if (l.shape.path != Path::kStream) {
@@ -1061,11 +1120,17 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
       const auto on = [&](auto path_const) -> int64_t {
         constexpr Path kPath = decltype(path_const)::value;
         if constexpr ((kCache && !Op::template kCacheColumns<kPath>) ||
-                      (kR > 1 && kPath != Path::kShared))
+                      (kR > 1 && kPath != Path::kShared)) {
           return 0;
-        else
+        } else {
+          if constexpr (has_large_ctas<Op>(kPath))
+            if (threads > kMaxThreads)
+              return resident_backward_units<Op, T, kVec<T>, kPath, kParams, kCache, kR,
+                                             kLargeCtaThreads>(device, threads, cluster,
+                                                               sm_count);
           return resident_backward_units<Op, T, kVec<T>, kPath, kParams, kCache, kR>(
               device, threads, cluster, sm_count);
+        }
       };
       if constexpr (has_wide_registers<Op>()) {
         if (l.shape.path == Path::kWideRegisters) return on(WideRegisters{});
@@ -1092,11 +1157,19 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
       }
       return units;
     };
-    int64_t fits = 0;
-    if constexpr (Op::kHasParams)
-      fits = params ? fitting(std::true_type{}) : fitting(std::false_type{});
-    else
-      fits = fitting(std::false_type{});
+    const auto fits_of = [&] {
+      if constexpr (Op::kHasParams)
+        return params ? fitting(std::true_type{}) : fitting(std::false_type{});
+      else
+        return fitting(std::false_type{});
+    };
+    int64_t fits = fits_of();
+    if (fits == 0 && l.shape.threads > kMaxThreads) {
+      // A large CTA that no SM holds (its staging buffers past the shared memory).
+      l.shape = shape(false);
+      max_units = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
+      if (l.shape.path != Path::kStream) fits = fits_of();
+    }
     if (fits > 0) {
       const int64_t waves = grid_waves<Op, T>(l.shape, params, l.cache, cluster_registers);
       max_units = waves > 0 ? fits * waves : std::numeric_limits<int>::max() / l.shape.cluster;
@@ -1169,6 +1242,10 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     constexpr bool kCache = decltype(cache_const)::value;
     constexpr int kR = decltype(rows_const)::value;
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
+    auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR>;
+    if constexpr (VEC > 1 && has_large_ctas<Op>(kPath))
+      if (l.shape.threads > kMaxThreads)
+        kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, kLargeCtaThreads>;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(grid);
     config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
@@ -1178,9 +1255,8 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     cudaLaunchAttribute dims = cluster_dims(l.shape.cluster);
     config.attrs = &dims;
     config.numAttrs = l.shape.cluster > 1 ? 1 : 0;
-    const cudaError_t err =
-        cudaLaunchKernelEx(&config, backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR>,
-                           y, dy, dx, L, op, l.shape.tpr, l.shape.cluster, part);
+    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, y, dy, dx, L, op, l.shape.tpr,
+                                               l.shape.cluster, part);
     return err != cudaSuccess ? err : cudaGetLastError();
   };
   if constexpr (VEC > 1) {
