@@ -65,7 +65,11 @@ constexpr int kVec = 16 / static_cast<int>(sizeof(T));
 // rows of a CTA Op::kCtaRowRegs<T> (see the Op concept), longer rows kCtaRegs: with the ~35
 // registers of bookkeeping a CTA of kMaxThreads threads then needs <= 128 registers per
 // thread, so two CTAs fit on an SM, one loading while the other reduces or writes. A CTA
-// holds kMaxThreads * kCtaRegs = 16384 values, a cluster of 16 CTAs 262144.
+// holds kMaxThreads * kCtaRegs = 16384 values, a cluster of 16 CTAs 262144. (CTAs of 512
+// threads, one per SM, each holding twice as much of the row, lost up to 42% at N =
+// 32768-262144 on an H100, in every cell but fp32 RMSNorm's at 32768 (+2%), where the
+// backward's gained: see kLargeCtaThreads in kernels/rowwise_backward.cu and
+// benchmarks/results/rowwise_cluster_profile.md, stop 47.)
 constexpr int kWarpRegs = 32;
 constexpr int kCtaRegs = 64;
 // Values per thread and step when streaming: fewer keep the two-pass kernel clear of spills.

@@ -140,7 +140,9 @@ constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
 // -> 0.82) and of 16 at 262144 in place of the wide path (0.765 -> 0.752). The other widths
 // (CTAs of kMaxThreads either way) read the same. Softmax's large CTAs take a CTA per row
 // (grid_waves, as its rows of kMaxThreads): striding over rows, the next one prefetched, lost
-// 1-4% (fp32 16384 0.987 -> 0.950, 16-bit 32768 0.90 -> 0.89).
+// 1-4% (fp32 16384 0.987 -> 0.950, 16-bit 32768 0.90 -> 0.89). (The forward, which
+// prefetches nothing and overlaps its CTAs' phases instead, lost with them: see kCtaRegs in
+// kernels/rowwise.cuh.)
 constexpr int kLargeCtaThreads = 512;
 constexpr int kThreadsPerSm = 2048;
 constexpr int64_t kScratchFloor = int64_t{4} << 20;  // bytes of scratch always allowed
