@@ -23,7 +23,9 @@
 namespace mti {
 
 constexpr int kWarpSize = 32;
-constexpr int kMaxThreads = 256;  // largest CTA of the row-wise kernels
+// Largest CTA of the row-wise kernels but the backward's large ones (kLargeCtaThreads in
+// kernels/rowwise_backward.cu).
+constexpr int kMaxThreads = 256;
 constexpr int kMaxWarps = kMaxThreads / kWarpSize;
 constexpr int kMaxCluster = 16;   // 16 needs the non-portable cluster size opt-in (sm_90)
 
