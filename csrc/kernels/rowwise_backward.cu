@@ -1003,11 +1003,15 @@ Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_c
 
 const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, Path::kStream};
 
-// Whether Op's kernels on kPath are compiled for CTAs of kLargeCtaThreads too: its register
-// paths, where Op::kLargeCtas.
-template <class Op>
-constexpr bool has_large_ctas(Path path) {
-  return Op::kLargeCtas && path != Path::kShared && path != Path::kStream;
+// Calls f with the CTA size (a std::integral_constant) that backward_kernel is compiled for
+// on kPath with VEC for a launch of `threads` threads: kLargeCtaThreads past kMaxThreads (on
+// the register vector paths of ops with Op::kLargeCtas, the only ones compiled so), else
+// kMaxThreads.
+template <class Op, Path kPath, int VEC, class F>
+decltype(auto) with_cta(int threads, F f) {
+  if constexpr (Op::kLargeCtas && VEC > 1 && kPath != Path::kShared && kPath != Path::kStream)
+    if (threads > kMaxThreads) return f(std::integral_constant<int, kLargeCtaThreads>{});
+  return f(std::integral_constant<int, kMaxThreads>{});
 }
 
 // occupancy_units() of the resident backward_kernel (VEC, kPath, kParams, kCache): 0 if none
@@ -1105,8 +1109,9 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   };
   // Vector rows only: scalar rows keep kScalarNV elements per thread on CTAs of kMaxThreads.
   l.shape = shape(Op::kLargeCtas && l.vec);
-  // Row groups (CTAs or clusters) the grid may hold.
-  int64_t max_units = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
+  // Row groups (CTAs or clusters) the grid may hold: from the resident ones (below), else
+  // (streamed rows) as many CTAs as the SMs' threads allow.
+  int64_t max_units = 0;
   if (l.shape.path != Path::kStream) {
     const auto resident = [&](auto params_const, auto cache_const, auto rows_const) -> int64_t {
       constexpr bool kParams = decltype(params_const)::value;
@@ -1125,13 +1130,11 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
                       (kR > 1 && kPath != Path::kShared)) {
           return 0;
         } else {
-          if constexpr (has_large_ctas<Op>(kPath))
-            if (threads > kMaxThreads)
-              return resident_backward_units<Op, T, kVec<T>, kPath, kParams, kCache, kR,
-                                             kLargeCtaThreads>(device, threads, cluster,
-                                                               sm_count);
-          return resident_backward_units<Op, T, kVec<T>, kPath, kParams, kCache, kR>(
-              device, threads, cluster, sm_count);
+          return with_cta<Op, kPath, kVec<T>>(threads, [&](auto cta) {
+            return resident_backward_units<Op, T, kVec<T>, kPath, kParams, kCache, kR,
+                                           decltype(cta)::value>(device, threads, cluster,
+                                                                 sm_count);
+          });
         }
       };
       if constexpr (has_wide_registers<Op>()) {
@@ -1169,7 +1172,6 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
     if (fits == 0 && l.shape.threads > kMaxThreads) {
       // A large CTA that no SM holds (its staging buffers past the shared memory).
       l.shape = shape(false);
-      max_units = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
       if (l.shape.path != Path::kStream) fits = fits_of();
     }
     if (fits > 0) {
@@ -1179,6 +1181,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
       l.shape = kStreamShape;
     }
   }
+  if (max_units == 0) max_units = int64_t{sm_count} * (kThreadsPerSm / l.shape.threads);
   const int64_t rows_per_cta = l.shape.threads / l.shape.tpr * l.shared_rows;
   const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
   if (params) {
@@ -1244,10 +1247,9 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     constexpr bool kCache = decltype(cache_const)::value;
     constexpr int kR = decltype(rows_const)::value;
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
-    auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR>;
-    if constexpr (VEC > 1 && has_large_ctas<Op>(kPath))
-      if (l.shape.threads > kMaxThreads)
-        kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, kLargeCtaThreads>;
+    const auto kernel = with_cta<Op, kPath, VEC>(l.shape.threads, [](auto cta) {
+      return backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, decltype(cta)::value>;
+    });
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(grid);
     config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
