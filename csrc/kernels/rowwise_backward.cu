@@ -212,6 +212,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // See kLargeCtaThreads.
   static constexpr bool kLargeCtas = true;
   static constexpr int kLargeClusterMin = sizeof(T) == 4 ? 2 : 9;
+  static constexpr bool kLargeShared = true;  // see kLargeCtaThreads
 
   struct Row {
     int64_t limit;  // columns from `limit` on are causally masked
@@ -313,6 +314,7 @@ struct NormBackwardOp {
   // See kLargeCtaThreads; the norms have no register clusters.
   static constexpr bool kLargeCtas = sizeof(T) == 2;
   static constexpr int kLargeClusterMin = 0;
+  static constexpr bool kLargeShared = true;  // see kLargeCtaThreads
   enum { kW, kB, kRw };
 
   const T* weight;  // nullptr or n contiguous elements
@@ -950,7 +952,8 @@ struct Shape {
 };
 
 Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_cluster,
-                 bool cluster_registers, int large_threads, int large_cluster_min) {
+                 bool cluster_registers, int large_threads, int large_cluster_min,
+                 int large_shared_threads) {
   Shape s;
   if (vecs <= int64_t{kWarpSize} * reg_nv) {
     // The fewest lanes that hold the row: more bytes in flight per thread, fewer shuffles.
@@ -988,6 +991,10 @@ Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_c
     ctas = ceil_div(vecs, int64_t{large_threads} * reg_nv);
     s.threads = s.tpr = large_threads;
   }
+  if (!cluster_registers && large_shared_threads > 0 && ctas > max_cluster) {
+    ctas = ceil_div(vecs, int64_t{large_shared_threads} * shared_nv);
+    s.threads = s.tpr = large_shared_threads;
+  }
   if (cluster_registers && wide && ctas > max_cluster) {
     ctas = ceil_div(vecs, int64_t{s.threads} * wide_nv);
     s.path = Path::kWideRegisterCluster;
@@ -1005,11 +1012,12 @@ const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, Path::kStream};
 
 // Calls f with the CTA size (a std::integral_constant) that backward_kernel is compiled for
 // on kPath with VEC for a launch of `threads` threads: kLargeCtaThreads past kMaxThreads (on
-// the register vector paths of ops with Op::kLargeCtas, the only ones compiled so), else
-// kMaxThreads.
+// the register vector paths of ops with Op::kLargeCtas and the shared path of ops with
+// Op::kLargeShared, the only ones compiled so), else kMaxThreads.
 template <class Op, Path kPath, int VEC, class F>
 decltype(auto) with_cta(int threads, F f) {
-  if constexpr (Op::kLargeCtas && VEC > 1 && kPath != Path::kShared && kPath != Path::kStream)
+  if constexpr (VEC > 1 && (kPath == Path::kShared ? Op::kLargeShared
+                                                   : Op::kLargeCtas && kPath != Path::kStream))
     if (threads > kMaxThreads) return f(std::integral_constant<int, kLargeCtaThreads>{});
   return f(std::integral_constant<int, kMaxThreads>{});
 }
@@ -1105,10 +1113,11 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
     return pick_shape(ceil_div(n, vec), path_nv<Op>(Path::kRegisters, vec, params), wide_nv,
                       path_nv<Op>(Path::kShared, vec, params),
                       !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1, cluster_registers,
-                      large ? kLargeCtaThreads : 0, Op::kLargeClusterMin);
+                      large && Op::kLargeCtas ? kLargeCtaThreads : 0, Op::kLargeClusterMin,
+                      large && Op::kLargeShared ? kLargeCtaThreads : 0);
   };
   // Vector rows only: scalar rows keep kScalarNV elements per thread on CTAs of kMaxThreads.
-  l.shape = shape(Op::kLargeCtas && l.vec);
+  l.shape = shape((Op::kLargeCtas || Op::kLargeShared) && l.vec);
   // Row groups (CTAs or clusters) the grid may hold: from the resident ones (below), else
   // (streamed rows) as many CTAs as the SMs' threads allow.
   int64_t max_units = 0;
