@@ -256,10 +256,12 @@ def test_norm_weight_zero_gives_finite_gradients():
 # 256 would number enough (kernels/rowwise_backward.cu, kLargeCtaThreads); 16-bit log_softmax
 # and the norms stage a CTA's share in shared memory (8192 16-bit elements; for the norms
 # 4096 fp32 / 8192 16-bit elements, 4096 for 16-bit norms with weight or bias gradients).
-# Widths on both sides of each limit, with full and with mostly idle last CTAs (6144, 12288
-# and 20480 fill part of a CTA of 512), clusters of 2 to 16 CTAs, and rows past what clusters
-# of 16 hold; at least as many rows as fit on an H100 at once (264 CTAs), so each CTA strides
-# over rows through its staging buffers.
+# Shared-path rows that clusters of 16 such CTAs do not hold take clusters of CTAs of 512
+# (131072 for the norms with 4096 per CTA, 131080 for 16-bit log_softmax; the norms stream
+# 131080). Widths on both sides of each limit, with full and with mostly idle last CTAs
+# (6144, 12288 and 20480 fill part of a CTA of 512), clusters of 2 to 16 CTAs, and rows past
+# what clusters of 16 hold; at least as many rows as fit on an H100 at once (264 CTAs), so
+# each CTA strides over rows through its staging buffers.
 CLUSTER_WIDTHS = (4100, 6144, 8192, 12288, 16448, 20480, 32768, 36864, 61440, 65536, 131072,
                   131080)
 CLUSTER_OPS = ("softmax", "log_softmax_causal", "layer_norm", "rms_norm", "rms_norm_no_weight")

@@ -122,9 +122,10 @@ constexpr bool has_wide_registers() {
 
 constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
 // CTA size of the ops whose register rows take a CTA of more than kMaxThreads threads before a
-// cluster (Op::kLargeCtas; one CTA per SM at up to 128 registers a thread), and of their
-// register clusters (Op::kLargeClusterMin): a row then needs half the CTAs, and rows that CTAs
-// of kMaxThreads would share by a cluster reduction need none. H100,
+// cluster (Op::kLargeCtas; one CTA per SM at up to 128 registers a thread), of their
+// register clusters (Op::kLargeClusterMin) and of shared-path clusters that CTAs of
+// kMaxThreads would be too many for (Op::kLargeShared): a row then needs half the CTAs, and
+// rows that CTAs of kMaxThreads would share by a cluster reduction need none. H100,
 // 2^26 elements, backward, ratio to clone-equivalent bandwidth, CTAs of 256 -> 512 (one build,
 // switched at run time, three sweeps each; stop 47):
 // - fp32 softmax_ / log_softmax_ at N = 16384 (one CTA instead of a cluster of 2): 0.88 ->
@@ -135,6 +136,13 @@ constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
 //   0.81 -> 0.91-0.92; softmax_ at 131072 (clusters of 8 instead of 16) 0.79 -> 0.82.
 // - 16-bit norms at 8192 (one CTA instead of a shared-path cluster of 2): layer_norm_ 0.78 ->
 //   0.79-0.80, rms_norm_ 0.82 -> 0.85-0.87.
+// - Shared-path rows that no cluster of CTAs of kMaxThreads holds, streamed before
+//   (Op::kLargeShared; stop 48, two sweeps each): the norms at N = 131072 (clusters of 16),
+//   layer_norm_ 0.34 / 0.31 (fp32 / 16-bit) -> 0.78-0.79 / 0.64-0.67, rms_norm_ 0.36 / 0.32-0.33
+//   -> 0.80 / 0.69-0.72; 16-bit log_softmax_ at 262144 0.55 (the committed sweep) -> 0.70
+//   (one sweep). In place of the shared path's clusters of CTAs of kMaxThreads they lost:
+//   the 16-bit norms at 16384-65536 0.72-0.81 -> 0.67-0.79, 16-bit log_softmax_ at
+//   65536-131072 0.76-0.80 -> 0.69-0.72 (fp32 norms within -2% to +1%).
 // Not taken (NormBackwardOp, SoftmaxBackwardOp::kLargeClusterMin): fp32 norms at 8192 lost
 // (0.883 -> 0.826 / 0.884 -> 0.854), as did 16-bit softmax_ on clusters of 4 at 65536 (0.833
 // -> 0.82) and of 16 at 262144 in place of the wide path (0.765 -> 0.752). The other widths
@@ -202,8 +210,11 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // log_softmax_ on clusters of 64 per thread lost 5-7% against the shared path at
   // 32768-131072 (the same A/B, 1-1.5% between identical arms). Rows that 32 per thread hold
   // lost with 64 (softmax_ 0.925 -> 0.870 at 2048, 0.907 -> 0.899 at 8192; log_softmax_
-  // 0.918 -> 0.889 at 8192, in an A/B against y + dy into a third tensor), so kResidentElems
-  // stays 32.
+  // 0.918 -> 0.889 at 8192, in an A/B against y + dy into a third tensor), and with 16 (64-76
+  // registers, three or four CTAs per SM; main and it built side by side, two sweeps each,
+  // stop 48): 16-bit softmax_ 0.94-0.96 -> 0.91-0.92 at N = 1024-4096 and 0.94 -> 0.79 at
+  // 8192 (then on the wide path), log_softmax_ 0.93 -> 0.90 at 2048-4096, though 0.90 ->
+  // 0.91-0.92 at 256-512. So kResidentElems stays 32.
   static constexpr int kWideElems = sizeof(T) == 2 ? 2 * kSoftmaxElems : kSoftmaxElems;
   static constexpr int kColumnValues = 0;
   template <Path>
