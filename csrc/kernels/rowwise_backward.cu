@@ -123,11 +123,11 @@ constexpr bool has_wide_registers() {
 constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
 // CTA size of the ops whose register rows take a CTA of more than kMaxThreads threads before a
 // cluster (Op::kLargeCtas; one CTA per SM at up to 128 registers a thread), of their
-// register clusters (Op::kLargeClusterMin) and of shared-path clusters that CTAs of
-// kMaxThreads would be too many for (Op::kLargeShared): a row then needs half the CTAs, and
-// rows that CTAs of kMaxThreads would share by a cluster reduction need none. H100,
-// 2^26 elements, backward, ratio to clone-equivalent bandwidth, CTAs of 256 -> 512 (one build,
-// switched at run time, three sweeps each; stop 47):
+// register clusters (Op::kLargeClusterMin), and of every op's shared-path clusters that CTAs
+// of kMaxThreads would be too many for: a row then needs half the CTAs, and rows that CTAs of
+// kMaxThreads would share by a cluster reduction need none. H100, 2^26 elements, backward,
+// ratio to clone-equivalent bandwidth, CTAs of 256 -> 512 (one build, switched at run time,
+// three sweeps each; stop 47):
 // - fp32 softmax_ / log_softmax_ at N = 16384 (one CTA instead of a cluster of 2): 0.88 ->
 //   0.987 / 0.876 -> 0.925; at 32768 (clusters of 2 instead of 4) 0.86 -> 0.893 / 0.845 ->
 //   0.864; 131072 0.78 -> 0.84 / 0.745 -> 0.80; 262144 (clusters of 16, streamed before) 0.585
@@ -136,13 +136,13 @@ constexpr int kRowsThreads = 128;   // CTA size when several rows share a CTA
 //   0.81 -> 0.91-0.92; softmax_ at 131072 (clusters of 8 instead of 16) 0.79 -> 0.82.
 // - 16-bit norms at 8192 (one CTA instead of a shared-path cluster of 2): layer_norm_ 0.78 ->
 //   0.79-0.80, rms_norm_ 0.82 -> 0.85-0.87.
-// - Shared-path rows that no cluster of CTAs of kMaxThreads holds, streamed before
-//   (Op::kLargeShared; stop 48, two sweeps each): the norms at N = 131072 (clusters of 16),
-//   layer_norm_ 0.34 / 0.31 (fp32 / 16-bit) -> 0.78-0.79 / 0.64-0.67, rms_norm_ 0.36 / 0.32-0.33
-//   -> 0.80 / 0.69-0.72; 16-bit log_softmax_ at 262144 0.55 (the committed sweep) -> 0.70
-//   (one sweep). In place of the shared path's clusters of CTAs of kMaxThreads they lost:
-//   the 16-bit norms at 16384-65536 0.72-0.81 -> 0.67-0.79, 16-bit log_softmax_ at
-//   65536-131072 0.76-0.80 -> 0.69-0.72 (fp32 norms within -2% to +1%).
+// - Shared-path rows that no cluster of CTAs of kMaxThreads holds, streamed before (stop 48,
+//   two sweeps each): the norms at N = 131072 (clusters of 16), layer_norm_ 0.34 / 0.31
+//   (fp32 / 16-bit) -> 0.78-0.79 / 0.64-0.67, rms_norm_ 0.36 / 0.32-0.33 -> 0.80 / 0.69-0.72;
+//   16-bit log_softmax_ at 262144 0.55 (the committed sweep) -> 0.70 (one sweep). In place of
+//   the shared path's clusters of CTAs of kMaxThreads they lost: the 16-bit norms at
+//   16384-65536 0.72-0.81 -> 0.67-0.79, 16-bit log_softmax_ at 65536-131072 0.76-0.80 ->
+//   0.69-0.72 (fp32 norms within -2% to +1%).
 // Not taken (NormBackwardOp, SoftmaxBackwardOp::kLargeClusterMin): fp32 norms at 8192 lost
 // (0.883 -> 0.826 / 0.884 -> 0.854), as did 16-bit softmax_ on clusters of 4 at 65536 (0.833
 // -> 0.82) and of 16 at 262144 in place of the wide path (0.765 -> 0.752). The other widths
@@ -223,7 +223,6 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // See kLargeCtaThreads.
   static constexpr bool kLargeCtas = true;
   static constexpr int kLargeClusterMin = sizeof(T) == 4 ? 2 : 9;
-  static constexpr bool kLargeShared = true;  // see kLargeCtaThreads
 
   struct Row {
     int64_t limit;  // columns from `limit` on are causally masked
@@ -325,7 +324,6 @@ struct NormBackwardOp {
   // See kLargeCtaThreads; the norms have no register clusters.
   static constexpr bool kLargeCtas = sizeof(T) == 2;
   static constexpr int kLargeClusterMin = 0;
-  static constexpr bool kLargeShared = true;  // see kLargeCtaThreads
   enum { kW, kB, kRw };
 
   const T* weight;  // nullptr or n contiguous elements
@@ -1023,12 +1021,12 @@ const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, Path::kStream};
 
 // Calls f with the CTA size (a std::integral_constant) that backward_kernel is compiled for
 // on kPath with VEC for a launch of `threads` threads: kLargeCtaThreads past kMaxThreads (on
-// the register vector paths of ops with Op::kLargeCtas and the shared path of ops with
-// Op::kLargeShared, the only ones compiled so), else kMaxThreads.
+// the shared vector path and the register vector paths of ops with Op::kLargeCtas, the only
+// ones compiled so), else kMaxThreads.
 template <class Op, Path kPath, int VEC, class F>
 decltype(auto) with_cta(int threads, F f) {
-  if constexpr (VEC > 1 && (kPath == Path::kShared ? Op::kLargeShared
-                                                   : Op::kLargeCtas && kPath != Path::kStream))
+  if constexpr (VEC > 1 &&
+                (kPath == Path::kShared || (Op::kLargeCtas && kPath != Path::kStream)))
     if (threads > kMaxThreads) return f(std::integral_constant<int, kLargeCtaThreads>{});
   return f(std::integral_constant<int, kMaxThreads>{});
 }
@@ -1125,10 +1123,10 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
                       path_nv<Op>(Path::kShared, vec, params),
                       !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1, cluster_registers,
                       large && Op::kLargeCtas ? kLargeCtaThreads : 0, Op::kLargeClusterMin,
-                      large && Op::kLargeShared ? kLargeCtaThreads : 0);
+                      large ? kLargeCtaThreads : 0);
   };
   // Vector rows only: scalar rows keep kScalarNV elements per thread on CTAs of kMaxThreads.
-  l.shape = shape((Op::kLargeCtas || Op::kLargeShared) && l.vec);
+  l.shape = shape(l.vec);
   // Row groups (CTAs or clusters) the grid may hold: from the resident ones (below), else
   // (streamed rows) as many CTAs as the SMs' threads allow.
   int64_t max_units = 0;
