@@ -1000,7 +1000,9 @@ Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_c
     ctas = ceil_div(vecs, int64_t{large_threads} * reg_nv);
     s.threads = s.tpr = large_threads;
   }
-  if (!cluster_registers && large_shared_threads > 0 && ctas > max_cluster) {
+  // Only where clusters run: there such rows take clusters of 9-16 large CTAs, as measured and
+  // tested. Without clusters some would take one large CTA on this path, a case never run.
+  if (!cluster_registers && large_shared_threads > 0 && max_cluster > 1 && ctas > max_cluster) {
     ctas = ceil_div(vecs, int64_t{large_shared_threads} * shared_nv);
     s.threads = s.tpr = large_shared_threads;
   }
