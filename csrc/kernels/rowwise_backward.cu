@@ -949,10 +949,12 @@ __global__ void __launch_bounds__(kMaxThreads)
 // has no wide paths) where only those do; else (cluster_registers) the registers of as few
 // CTAs as hold it with reg_nv each, or wide_nv where reg_nv needs more than max_cluster, or
 // (otherwise) their shared memory (shared_nv per thread), up to `max_cluster` CTAs (0:
-// none), else streamed. large_threads > 0 (Op::kLargeCtas): rows that one CTA of that many
-// threads holds in registers (wide_nv where the op has it) take one before any cluster, and
-// register clusters take such CTAs where those of kMaxThreads would number at least
-// large_cluster_min (Op::kLargeClusterMin) and hold the row without the wide path.
+// none), else streamed. large_threads > 0 (vector rows) is the size of the larger CTAs some
+// rows take: with large_registers (Op::kLargeCtas), rows that one such CTA holds in registers
+// (wide_nv where the op has it) take one before any cluster, and register clusters take such
+// CTAs where those of kMaxThreads would number at least large_cluster_min
+// (Op::kLargeClusterMin) and hold the row without the wide path; shared-path rows take them
+// where more CTAs of kMaxThreads than max_cluster (> 1) would be needed.
 struct Shape {
   int threads = 0;  // CTA size
   int tpr = 0;      // threads per row (a divisor of threads; on a cluster, the CTA's share)
@@ -961,8 +963,8 @@ struct Shape {
 };
 
 Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_cluster,
-                 bool cluster_registers, int large_threads, int large_cluster_min,
-                 int large_shared_threads) {
+                 bool cluster_registers, int large_threads, bool large_registers,
+                 int large_cluster_min) {
   Shape s;
   if (vecs <= int64_t{kWarpSize} * reg_nv) {
     // The fewest lanes that hold the row: more bytes in flight per thread, fewer shuffles.
@@ -985,7 +987,7 @@ Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_c
     s.path = Path::kWideRegisters;
     return s;
   }
-  if (large_threads > 0) {
+  if (large_registers && large_threads > 0) {
     const int nv = wide ? wide_nv : reg_nv;
     if (vecs <= int64_t{large_threads} * nv) {
       s.threads = s.tpr = static_cast<int>(round_up(ceil_div(vecs, nv), kWarpSize));
@@ -995,16 +997,16 @@ Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_c
   }
   int64_t ctas = ceil_div(vecs, int64_t{kMaxThreads} * (cluster_registers ? reg_nv : shared_nv));
   s.path = cluster_registers ? Path::kRegisterCluster : Path::kShared;
-  if (cluster_registers && large_threads > 0 && ctas >= large_cluster_min &&
+  if (cluster_registers && large_registers && large_threads > 0 && ctas >= large_cluster_min &&
       (ctas <= max_cluster || !wide)) {
     ctas = ceil_div(vecs, int64_t{large_threads} * reg_nv);
     s.threads = s.tpr = large_threads;
   }
   // Only where clusters run: there such rows take clusters of 9-16 large CTAs, as measured and
   // tested. Without clusters some would take one large CTA on this path, a case never run.
-  if (!cluster_registers && large_shared_threads > 0 && max_cluster > 1 && ctas > max_cluster) {
-    ctas = ceil_div(vecs, int64_t{large_shared_threads} * shared_nv);
-    s.threads = s.tpr = large_shared_threads;
+  if (!cluster_registers && large_threads > 0 && max_cluster > 1 && ctas > max_cluster) {
+    ctas = ceil_div(vecs, int64_t{large_threads} * shared_nv);
+    s.threads = s.tpr = large_threads;
   }
   if (cluster_registers && wide && ctas > max_cluster) {
     ctas = ceil_div(vecs, int64_t{s.threads} * wide_nv);
@@ -1124,8 +1126,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
     return pick_shape(ceil_div(n, vec), path_nv<Op>(Path::kRegisters, vec, params), wide_nv,
                       path_nv<Op>(Path::kShared, vec, params),
                       !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1, cluster_registers,
-                      large && Op::kLargeCtas ? kLargeCtaThreads : 0, Op::kLargeClusterMin,
-                      large ? kLargeCtaThreads : 0);
+                      large ? kLargeCtaThreads : 0, Op::kLargeCtas, Op::kLargeClusterMin);
   };
   // Vector rows only: scalar rows keep kScalarNV elements per thread on CTAs of kMaxThreads.
   l.shape = shape(l.vec);
