@@ -148,16 +148,14 @@ def time_alternating(
     time. Calls of a few microseconds of GPU work are host-bound otherwise, and a call's time
     then takes in whatever part of its host time the GPU waited for (H100, square_matmul_ of
     16-64 rows: the same cuBLAS GEMM and copy read 0.87-0.90x of matmul + copy_, whose
-    host time was 8-10 us shorter). Every fn's calls wait as long, for the longest host
-    time of any fn: with a wait of its own host time each, two identical fns (matmul +
-    copy_ of 16 rows, K = 4096) read up to 3.4% apart in turns of two (H100).
+    host time was 8-10 us shorter).
     """
     device = torch.device(device) if device is not None else best_device()
     cuda = device.type == "cuda"
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.int8, device=device) if cuda else None
 
     host_ms = [0.0] * len(fns)  # the longest host time of a warm-up call of each fn
-    sleep = 0  # GPU cycles to wait before each timed call
+    sleeps = [0] * len(fns)  # GPU cycles to wait before each timed call of each fn
 
     def timed(i: int) -> Callable[[], float]:
         """Starts one timed call of fns[i]; returns how to read its time once all are done."""
@@ -168,8 +166,8 @@ def time_alternating(
             ms = (time.perf_counter() - t0) * 1e3
             return lambda: ms
         flush.zero_()
-        if sleep:
-            torch.cuda._sleep(sleep)
+        if sleeps[i]:
+            torch.cuda._sleep(sleeps[i])
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -198,7 +196,7 @@ def time_alternating(
     for _ in range(_repeats(estimate, warmup_ms)):
         round_ms()
     if cuda and gpu_only:
-        sleep = _queue_ahead_cycles(max(host_ms))
+        sleeps[:] = [_queue_ahead_cycles(ms) for ms in host_ms]
     n = len(fns)
     turns = -(-max(min_turns, _repeats(estimate / n, rep_ms)) // n) * n
     reads = [[[] for _ in range(n)] for _ in fns]
