@@ -8,8 +8,12 @@ torch.matmul is out of place ("out_of_place"; with a bias it is torch.addmm, as 
 for M <= 64 also "matmul+copy_", which writes the result back over x as our default mode does.
 Each of our modes takes turns call by call with the baseline of its goal (common.time_alternating),
 so that the H100's clocks, which drift under its power cap, weigh on both alike, and each takes
-either place in a turn equally often; ms is the mean over the two places of the median of its
-calls at each (common.place_median), over at least MIN_TURNS turns. For M <= 64, GPU time
+every place in a turn equally often; ms is the mean over the places of the median of its
+calls at each (common.place_median), over at least MIN_TURNS turns. For M <= 64 the default
+mode's turns also hold a second, identical matmul + copy_, the control: its time (control_ms
+in the matmul+copy_ record) against matmul + copy_'s shows how far apart identical calls read
+(H100, 16 rows, K = 4096: 0.967-1.040 in turns of two, so the control makes them turns of
+three; over the whole small-M grid 0.991-1.009 in turns of three). For M <= 64, GPU time
 only: each call is queued behind a GPU wait longer than its host time, since calls of ~10 us
 are host-bound and would otherwise take in part of the host time of whichever fn took
 longer (host time is not measured). TFLOP/s = 2 M N^2 / ms.
@@ -116,8 +120,12 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
         def out_of_place():
             return torch.matmul(x, wv)
     fns["torch.matmul", "out_of_place"] = out_of_place
+    control = None
     if m <= SMALL_M:
         fns["torch.matmul", "matmul+copy_"] = lambda: x.copy_(out_of_place())
+
+        def control():  # the same calls again: see the module docstring
+            return x.copy_(out_of_place())
 
     # Each of our modes is timed in turns with the baseline its goal names (matmul + copy_ for
     # the small-M default mode, else torch.matmul), two fns at a time: what else shares the
@@ -131,22 +139,30 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
     goal = ("torch.matmul", "matmul+copy_") if m <= SMALL_M else oop
     times: dict[tuple[str, str], list[list[float]]] = {}
 
-    def in_turns(*keys: tuple[str, str]) -> None:
-        res = time_alternating([fns[k] for k in keys], warmup_ms=args.warmup_ms,
-                               rep_ms=args.rep_ms, device=device, min_turns=MIN_TURNS,
-                               gpu_only=m <= SMALL_M)
+    control_ms = None
+
+    def in_turns(*keys: tuple[str, str], with_control: bool = False) -> None:
+        nonlocal control_ms
+        calls = [fns[k] for k in keys] + ([control] if with_control else [])
+        res = time_alternating(calls, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                               device=device, min_turns=MIN_TURNS, gpu_only=m <= SMALL_M)
         for k, ts in zip(keys, res):
             times.setdefault(k, ts)
+        if with_control:
+            control_ms = place_median(res[-1])
 
     for key in [k for k in fns if k[0] == "make_torch_inplace"]:
-        in_turns(key, goal if key[1] == "default" else oop)
+        default = key[1] == "default"
+        in_turns(key, goal if default else oop, with_control=default and control is not None)
     for key in [k for k in fns if k not in times]:
         in_turns(*((key,) if key == oop else (key, oop)))
     finite = bool(torch.isfinite(x).all())
     for (impl, mode), fn in fns.items():
         ts = times[impl, mode]
         peak = peak_extra_bytes(fn, device=device)
-        rec = add(impl, mode, place_median(ts), peak, calls=sum(map(len, ts)), finite=finite)
+        extra = {"control_ms": control_ms} if mode == "matmul+copy_" else {}
+        rec = add(impl, mode, place_median(ts), peak, calls=sum(map(len, ts)), finite=finite,
+                  **extra)
         label = mode if impl == "make_torch_inplace" else f"torch {mode}"
         line.append(f"{label} {rec['tflops']:.3g}")
     if not finite:
@@ -185,6 +201,12 @@ def tables(records: list[dict]) -> str:
             row[f"{label} TFLOP/s"] = rec["tflops"]
             if impl == "make_torch_inplace" and torch_rec is not None:
                 row[f"{label}/torch"] = torch_rec["ms"] / rec["ms"]
+            if mode == "matmul+copy_":
+                ours = _find(by, "make_torch_inplace", "default")
+                if ours is not None:
+                    row["default/mm+copy_"] = rec["ms"] / ours["ms"]
+                if rec.get("control_ms"):
+                    row["control/mm+copy_"] = rec["ms"] / rec["control_ms"]
             if mode != "matmul+copy_":
                 row[f"{label} peak"] = fmt_bytes(rec["peak_extra_bytes"])
         by_dtype.setdefault(dtype, []).append(row)
@@ -193,9 +215,12 @@ def tables(records: list[dict]) -> str:
         columns += [f"{label} ms", f"{label} TFLOP/s"]
         if label in ("default", "zero-ws"):
             columns.append(f"{label}/torch")
-    columns += ["default peak", "zero-ws peak", "torch peak"]
-    note = ("ratio = torch.matmul time / our time (> 1: faster than torch.matmul); peak = "
-            "extra memory allocated during the call. T: transpose (x @ W.T).\n\n")
+    columns += ["default/mm+copy_", "control/mm+copy_", "default peak", "zero-ws peak",
+                "torch peak"]
+    note = ("ratio = torch.matmul time / our time (> 1: faster than torch.matmul); "
+            "default/mm+copy_ likewise against matmul + copy_, and control/mm+copy_ that of "
+            "an identical matmul + copy_ timed in the same turns (M <= 64); peak = extra "
+            "memory allocated during the call. T: transpose (x @ W.T).\n\n")
     return note + "\n".join(f"## {dtype}\n\n" + markdown_table(rows, columns)
                             for dtype, rows in by_dtype.items())
 
