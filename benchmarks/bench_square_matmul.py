@@ -13,7 +13,7 @@ calls at each (common.place_median), over at least MIN_TURNS turns. For M <= 64 
 mode's turns also hold a second, identical matmul + copy_, the control: its time (control_ms
 in the matmul+copy_ record) against matmul + copy_'s shows how far apart identical calls read
 (H100, 16 rows, K = 4096: 0.967-1.040 in turns of two, so the control makes them turns of
-three; over the whole small-M grid 0.991-1.009 in turns of three). For M <= 64, GPU time
+three, in which they read within 1% over the whole small-M grid). For M <= 64, GPU time
 only: each call is queued behind a GPU wait longer than its host time, since calls of ~10 us
 are host-bound and would otherwise take in part of the host time of whichever fn took
 longer (host time is not measured). TFLOP/s = 2 M N^2 / ms.
@@ -128,7 +128,8 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
             return x.copy_(out_of_place())
 
     # Each of our modes is timed in turns with the baseline its goal names (matmul + copy_ for
-    # the small-M default mode, else torch.matmul), two fns at a time: what else shares the
+    # the small-M default mode, else torch.matmul), two fns at a time (with the control, see
+    # the module docstring, three for the small-M default mode): what else shares the
     # turns moves a call's time too (H100, one row, N = 2048, bf16: ours 12.0 us and
     # matmul + copy_ 13.4 in turns of the two, 13.1 and 12.2 in turns of four with the
     # zero-workspace mode and torch.matmul; the same cuBLAS kernel and copy in both). A
