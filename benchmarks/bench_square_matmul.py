@@ -120,12 +120,8 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
         def out_of_place():
             return torch.matmul(x, wv)
     fns["torch.matmul", "out_of_place"] = out_of_place
-    control = None
     if m <= SMALL_M:
         fns["torch.matmul", "matmul+copy_"] = lambda: x.copy_(out_of_place())
-
-        def control():  # the same calls again: see the module docstring
-            return x.copy_(out_of_place())
 
     # Each of our modes is timed in turns with the baseline its goal names (matmul + copy_ for
     # the small-M default mode, else torch.matmul), two fns at a time (with the control, see
@@ -138,30 +134,30 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
     # scale.
     oop = ("torch.matmul", "out_of_place")
     goal = ("torch.matmul", "matmul+copy_") if m <= SMALL_M else oop
+    control = ("torch.matmul", "control")  # matmul + copy_ again (see the module docstring)
     times: dict[tuple[str, str], list[list[float]]] = {}
 
-    control_ms = None
-
-    def in_turns(*keys: tuple[str, str], with_control: bool = False) -> None:
-        nonlocal control_ms
-        calls = [fns[k] for k in keys] + ([control] if with_control else [])
-        res = time_alternating(calls, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                               device=device, min_turns=MIN_TURNS, gpu_only=m <= SMALL_M)
+    def in_turns(*keys: tuple[str, str]) -> None:
+        res = time_alternating([fns[goal if k == control else k] for k in keys],
+                               warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, device=device,
+                               min_turns=MIN_TURNS, gpu_only=m <= SMALL_M)
         for k, ts in zip(keys, res):
             times.setdefault(k, ts)
-        if with_control:
-            control_ms = place_median(res[-1])
 
     for key in [k for k in fns if k[0] == "make_torch_inplace"]:
-        default = key[1] == "default"
-        in_turns(key, goal if default else oop, with_control=default and control is not None)
+        if key[1] != "default":
+            in_turns(key, oop)
+        else:
+            in_turns(key, goal, *((control,) if goal != oop else ()))
     for key in [k for k in fns if k not in times]:
         in_turns(*((key,) if key == oop else (key, oop)))
     finite = bool(torch.isfinite(x).all())
     for (impl, mode), fn in fns.items():
         ts = times[impl, mode]
         peak = peak_extra_bytes(fn, device=device)
-        extra = {"control_ms": control_ms} if mode == "matmul+copy_" else {}
+        extra = {}
+        if mode == "matmul+copy_":
+            extra["control_ms"] = place_median(times[control]) if control in times else None
         rec = add(impl, mode, place_median(ts), peak, calls=sum(map(len, ts)), finite=finite,
                   **extra)
         label = mode if impl == "make_torch_inplace" else f"torch {mode}"
