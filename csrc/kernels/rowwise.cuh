@@ -496,19 +496,30 @@ enum class RowPath { kResident, kCluster, kStashed, kStream };
 constexpr int held_steps(RowPath path) { return path == RowPath::kStashed ? 2 : 1; }
 
 // CTAs of kMaxThreads threads that row_kernel is compiled to fit on an SM at once; the
-// register cap follows (128 per thread for 2, 80 for 3). More CTAs keep more rows in flight:
-// with 3, H100 bf16 LayerNorm at N = 256-1024 ran 4-5% faster. Only 16-bit rows of at most
-// kWarpRegs values per thread take 3: longer rows need the registers, and fp32 rows (accurate
-// exp, LayerNorm's TwoSum) spilled on some architectures. A stashed CTA's 64 KiB of shared
-// memory leave room for one per SM where an SM has less than 164 KiB (sm_75, sm_86, sm_89),
-// which then takes the registers of two (with the cap of two, bf16 softmax with an additive
-// mask spilled on sm_86).
-template <typename T>
+// register cap follows (128 per thread for 2, 80 for 3, 64 for 4). More CTAs keep more rows in
+// flight: with 3, H100 bf16 LayerNorm at N = 256-1024 ran 4-5% faster. Only 16-bit rows of at
+// most kWarpRegs values per thread take more than 2: longer rows need the registers, and fp32
+// rows (accurate exp, LayerNorm's TwoSum) spilled on some architectures. Of those, the resident
+// rows of ops that read nothing but x (softmax_ and log_softmax_ without a mask) fit in 64
+// registers on sm_90+ and take 4 there: H100, 2^26 elements, forward, ratio to a copy at N =
+// 256-8192, 0.96-0.98 -> 0.98-0.99 (softmax_), 0.93-0.965 -> 0.98-0.99 (log_softmax_). Older
+// architectures spill 4-16 bytes at 64, and so do params or a mask on sm_90a (4 bytes for bf16
+// RMSNorm, 26-30 for LayerNorm's rows of a warp, up to 56 with a mask), though the last two ran
+// 2% and 6% faster with 4 nonetheless. A stashed CTA's 64 KiB of shared memory leave room for
+// one per SM where an SM has less than 164 KiB (sm_75, sm_86, sm_89), which then takes the
+// registers of two (with the cap of two, bf16 softmax with an additive mask spilled on sm_86).
+template <class Op, typename T>
 __host__ __device__ constexpr int min_ctas_per_sm(int values, RowPath path) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 800 && __CUDA_ARCH__ < 900
   if (path == RowPath::kStashed) return 1;
 #endif
-  return sizeof(T) == 2 && values <= kWarpRegs ? 3 : 2;
+  if (sizeof(T) != 2 || values > kWarpRegs) return 2;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kReadsOnlyX =
+      Op::kParams == 0 && std::is_same_v<typename Op::template Aux<kVec<T>>, NoAux>;
+  if (kReadsOnlyX && path == RowPath::kResident) return 4;
+#endif
+  return 3;
 }
 
 // How many params a launch would cache: up to the last one given (not nullptr).
@@ -547,7 +558,7 @@ int params_to_cache(const ColumnParams<T, K>& params) {
 // into shared memory once (cache_param, row_smem_bytes() of dynamic shared memory) and read
 // from there in every row's write loop, the others from global memory (see ParamReader).
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
-__global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<T>(VEC * NV, kPath))
+__global__ void __launch_bounds__(kMaxThreads, min_ctas_per_sm<Op, T>(VEC * NV, kPath))
     row_kernel(T* __restrict__ x, const RowLayout layout, const Op op, const int tpr,
                const int cluster) {
   using State = typename Op::State;
