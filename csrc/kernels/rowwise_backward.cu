@@ -437,9 +437,18 @@ struct Partials {
 
 // Staging buffers of y's and dy's vectors that backward_kernel's `path` keeps in shared
 // memory (see there): two on the shared path, one for the register paths' prefetch of vector
-// rows, none for scalar or streamed rows.
+// rows, none for scalar or streamed rows, nor for softmax's fp32 rows of Path::kRegisters:
+// those take a CTA per row group (grid_waves), so no CTA has a next row to prefetch, and
+// staging the row it has only delays it. H100, 2^26 elements, backward, ratio to
+// clone-equivalent bandwidth at N = 1024-8192, two sweeps each against the prefetching
+// kernel: softmax_ 0.990-0.993 -> 0.993-0.997, log_softmax_ 0.980-0.987 -> 0.987-0.993. (The
+// same for 16-bit rows of up to a warp, which share their kernel with the rows of a CTA that
+// stride over the rows, gained 1-2%; with those rows on a CTA per row group too, they lost
+// 6-12%.)
+template <class Op, typename T>
 __host__ __device__ constexpr int staging_buffers(Path path, int vec) {
   if (vec == 1 || path == Path::kStream) return 0;
+  if (path == Path::kRegisters && !Op::kHasParams && sizeof(T) == 4) return 0;
   return path == Path::kShared ? 2 : 1;
 }
 
@@ -485,9 +494,11 @@ struct ColumnCache {
 // with parameter gradients at least the CTA's per-thread column sums (the rows of a CTA add
 // theirs there at the end, see backward_kernel; only the scalar path, which stages nothing,
 // needs more).
+template <class Op, typename T>
 constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads, bool params,
                                          int column_values, int rows) {
-  const int64_t staged = staging_buffers(path, vec) * 2 * int64_t{rows} * nv * threads * 16;
+  const int64_t staged =
+      staging_buffers<Op, T>(path, vec) * 2 * int64_t{rows} * nv * threads * 16;
   const int64_t cached = int64_t{column_values} * nv * vec * threads * int64_t{sizeof(float)};
   const int64_t sums = params ? int64_t{nv} * vec * threads * int64_t{sizeof(float)} : 0;
   return staged + cached > sums ? staged + cached : sums;
@@ -520,7 +531,7 @@ __global__ void __launch_bounds__(kCta, kCta > kMaxThreads ? 1 : 2)
                     Op::kClusterRegisters,
                 "the op keeps its rows in shared memory");
   // Register rows whose next row is prefetched into shared memory.
-  constexpr bool kPrefetch = staging_buffers(kPath, VEC) == 1;
+  constexpr bool kPrefetch = staging_buffers<Op, T>(kPath, VEC) == 1;
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
   __shared__ Rows warp_totals[2][kCta / kWarpSize];
@@ -619,8 +630,8 @@ __global__ void __launch_bounds__(kCta, kCta > kMaxThreads ? 1 : 2)
   static_assert(!kCache || (!kStream && Op::template kCacheColumns<kPath>),
                 "no column cache here");
   Vec* const staging_end =
-      reinterpret_cast<Vec*>(dynamic_smem) + staging_buffers(kPath, VEC) * 2 * kR * NV *
-                                                 slot_stride;
+      reinterpret_cast<Vec*>(dynamic_smem) +
+      staging_buffers<Op, T>(kPath, VEC) * 2 * kR * NV * slot_stride;
   const Cache cache{reinterpret_cast<typename Cache::Chunk*>(staging_end) + threadIdx.x,
                     slot_stride};
   if constexpr (kCache) {
@@ -1045,8 +1056,8 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
   return once_per_device(cache[threads / kWarpSize][cluster], device, [&](int) {
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
     const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, kCta>;
-    const int64_t smem = resident_backward_smem(kPath, VEC, NV, threads, kParams,
-                                                kCache ? Op::kColumnValues : 0, kR);
+    const int64_t smem = resident_backward_smem<Op, T>(kPath, VEC, NV, threads, kParams,
+                                                       kCache ? Op::kColumnValues : 0, kR);
     return occupancy_units(kernel, threads, cluster, static_cast<size_t>(smem), sm_count);
   });
 }
@@ -1274,7 +1285,7 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(grid);
     config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
-    config.dynamicSmemBytes = static_cast<size_t>(resident_backward_smem(
+    config.dynamicSmemBytes = static_cast<size_t>(resident_backward_smem<Op, T>(
         kPath, VEC, NV, l.shape.threads, kParams, kCache ? Op::kColumnValues : 0, kR));
     config.stream = stream;
     cudaLaunchAttribute dims = cluster_dims(l.shape.cluster);
