@@ -11,7 +11,8 @@
 // strides over groups of rows (clusters), or has a CTA per group where grid_waves() says so.
 //  - Path::kRegisters: rows that a CTA holds in registers, one step, read once. Vector rows
 //    (16-byte accesses, see below) are prefetched: the thread's vectors of its next row are
-//    copied into shared memory (cp.async) while the current row is reduced and written.
+//    copied into shared memory (cp.async) while the current row is reduced and written
+//    (but softmax's fp32 rows, which have no next row: see staging_buffers).
 //  - Path::kWideRegisters: the same for softmax's rows that a CTA holds only with more
 //    elements per thread (16-bit rows, SoftmaxBackwardOp::kWideElems).
 //  - Path::kRegisterCluster: the same for softmax's longer vector rows (but 16-bit
