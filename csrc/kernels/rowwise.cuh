@@ -502,7 +502,7 @@ constexpr int held_steps(RowPath path) { return path == RowPath::kStashed ? 2 : 
 // rows (accurate exp, LayerNorm's TwoSum) spilled on some architectures. Of those, the resident
 // rows of ops that read nothing but x (softmax_ and log_softmax_ without a mask) fit in 64
 // registers on sm_90+ and take 4 there: H100, 2^26 elements, forward, ratio to a copy at N =
-// 256-8192, 0.96-0.98 -> 0.98-0.99 (softmax_), 0.93-0.965 -> 0.98-0.99 (log_softmax_). Older
+// 256-8192, 0.955-0.983 -> 0.976-0.990 (softmax_), 0.930-0.965 -> 0.976-0.990 (log_softmax_). Older
 // architectures spill 4-16 bytes at 64, and so do params or a mask on sm_90a (4 bytes for bf16
 // RMSNorm, 26-30 for LayerNorm's rows of a warp, up to 56 with a mask), though the last two ran
 // 2% and 6% faster with 4 nonetheless. A stashed CTA's 64 KiB of shared memory leave room for

@@ -436,20 +436,26 @@ struct Partials {
   bool smem_sums = false;  // streaming path: sum in dynamic shared memory, [w?][b?] x n floats
 };
 
+// Whether every launch of `path` takes a CTA per row group (grid_waves), whatever the row's
+// width: softmax's fp32 rows of Path::kRegisters. (grid_waves gives one to 16-bit rows of up
+// to a warp too, but those share their kernel with the rows of a CTA, which stride.)
+template <class Op, typename T>
+__host__ __device__ constexpr bool always_cta_per_group(Path path) {
+  return path == Path::kRegisters && !Op::kHasParams && sizeof(T) == 4;
+}
+
 // Staging buffers of y's and dy's vectors that backward_kernel's `path` keeps in shared
 // memory (see there): two on the shared path, one for the register paths' prefetch of vector
-// rows, none for scalar or streamed rows, nor for softmax's fp32 rows of Path::kRegisters:
-// those take a CTA per row group (grid_waves), so no CTA has a next row to prefetch, and
-// staging the row it has only delays it. H100, 2^26 elements, backward, ratio to
-// clone-equivalent bandwidth at N = 1024-8192, two sweeps each against the prefetching
-// kernel: softmax_ 0.990-0.993 -> 0.993-0.997, log_softmax_ 0.980-0.987 -> 0.987-0.993. (The
-// same for 16-bit rows of up to a warp, which share their kernel with the rows of a CTA that
-// stride over the rows, gained 1-2%; with those rows on a CTA per row group too, they lost
-// 6-12%.)
+// rows, none for scalar or streamed rows, nor where always_cta_per_group: no CTA has a next
+// row to prefetch there, and staging the row it has only delays it. H100, 2^26 elements,
+// backward, ratio to clone-equivalent bandwidth at N = 1024-8192, two sweeps each against the
+// prefetching kernel: softmax_ 0.990-0.993 -> 0.993-0.997, log_softmax_ 0.980-0.987 ->
+// 0.987-0.993. (16-bit rows of up to a warp gained 1-2% without staging; with the rows of a
+// CTA, which share their kernel, on a CTA per row group too, those lost 6-12%.)
 template <class Op, typename T>
 __host__ __device__ constexpr int staging_buffers(Path path, int vec) {
   if (vec == 1 || path == Path::kStream) return 0;
-  if (path == Path::kRegisters && !Op::kHasParams && sizeof(T) == 4) return 0;
+  if (always_cta_per_group<Op, T>(path)) return 0;
   return path == Path::kShared ? 2 : 1;
 }
 
@@ -1111,8 +1117,8 @@ struct Launch {
 template <class Op, typename T>
 constexpr int64_t grid_waves(const Shape& shape, bool params, bool cache,
                              bool cluster_registers) {
-  if (!Op::kHasParams && shape.path == Path::kRegisters &&
-      (shape.tpr <= kWarpSize || sizeof(T) == 4))
+  if (always_cta_per_group<Op, T>(shape.path) ||
+      (!Op::kHasParams && shape.path == Path::kRegisters && shape.tpr <= kWarpSize))
     return 0;
   if (!Op::kHasParams && shape.path == Path::kWideRegisters) return cluster_registers ? 0 : 2;
   return shape.path == Path::kShared && !params && !cache && shape.cluster <= 8 ? 4 : 1;
