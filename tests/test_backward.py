@@ -288,6 +288,17 @@ def test_grads_cluster_rows(dtype, op, n):
         check_grads(mti.log_softmax_, ref_log_softmax, x, causal=True)
 
 
+# One backward kernel is launched with CTAs of several sizes (16-bit softmax's rows of
+# 16448-32768 elements take CTAs of 288-512 threads, with shared memory to match): its shared
+# memory limit, raised for the largest launch, must not be lowered again by a smaller one, or
+# the larger launch, its shape already cached, fails. Widths down, then up again.
+@requires_cuda
+def test_grads_widths_in_turn():
+    for n in (32768, 20480, 16448, 20480, 32768):
+        x = randn((24, n), torch.bfloat16, "cuda", n, scale=3.0)
+        check_grads(mti.softmax_, ref_softmax, x)
+
+
 # --------------------------------------------------------------------------- layouts
 
 

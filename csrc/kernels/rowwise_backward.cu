@@ -12,7 +12,8 @@
 //  - Path::kRegisters: rows that a CTA holds in registers, one step, read once. Vector rows
 //    (16-byte accesses, see below) are prefetched: the thread's vectors of its next row are
 //    copied into shared memory (cp.async) while the current row is reduced and written
-//    (but softmax's fp32 rows, which have no next row: see staging_buffers).
+//    (but softmax's fp32 rows and its rows of up to a warp, which have no next row: see
+//    staging_buffers).
 //  - Path::kWideRegisters: the same for softmax's rows that a CTA holds only with more
 //    elements per thread (16-bit rows, SoftmaxBackwardOp::kWideElems).
 //  - Path::kRegisterCluster: the same for softmax's longer vector rows (but 16-bit
@@ -436,26 +437,29 @@ struct Partials {
   bool smem_sums = false;  // streaming path: sum in dynamic shared memory, [w?][b?] x n floats
 };
 
-// Whether every launch of `path` takes a CTA per row group (grid_waves), whatever the row's
-// width: softmax's fp32 rows of Path::kRegisters. (grid_waves gives one to 16-bit rows of up
-// to a warp too, but those share their kernel with the rows of a CTA, which stride.)
+// Whether the rows of `path` take a CTA per row group (grid_waves): softmax's register rows
+// in fp32, and of up to a warp (`warp_rows`) in every dtype. Vector rows of up to a warp have
+// a kernel of their own there (CTAs of kRowsThreads, see with_cta), so that this holds for
+// every launch of it: 16-bit rows of a CTA, which share the kernel of kMaxThreads with no
+// rows of a warp now, stride.
 template <class Op, typename T>
-__host__ __device__ constexpr bool always_cta_per_group(Path path) {
-  return path == Path::kRegisters && !Op::kHasParams && sizeof(T) == 4;
+__host__ __device__ constexpr bool always_cta_per_group(Path path, bool warp_rows) {
+  return path == Path::kRegisters && !Op::kHasParams && (sizeof(T) == 4 || warp_rows);
 }
 
 // Staging buffers of y's and dy's vectors that backward_kernel's `path` keeps in shared
 // memory (see there): two on the shared path, one for the register paths' prefetch of vector
-// rows, none for scalar or streamed rows, nor where always_cta_per_group: no CTA has a next
-// row to prefetch there, and staging the row it has only delays it. H100, 2^26 elements,
-// backward, ratio to clone-equivalent bandwidth at N = 1024-8192, two sweeps each against the
-// prefetching kernel: softmax_ 0.990-0.993 -> 0.993-0.997, log_softmax_ 0.980-0.987 ->
-// 0.987-0.993. (16-bit rows of up to a warp gained 1-2% without staging; with the rows of a
-// CTA, which share their kernel, on a CTA per row group too, those lost 6-12%.)
+// rows, none for scalar or streamed rows, nor where always_cta_per_group (for the kernel
+// compiled for CTAs of `cta` threads): no CTA has a next row to prefetch there, and staging
+// the row it has only delays it. H100, 2^26 elements, backward, ratio to clone-equivalent
+// bandwidth at N = 1024-8192, two sweeps each against the prefetching kernel: fp32 softmax_
+// 0.990-0.993 -> 0.993-0.997, log_softmax_ 0.980-0.987 -> 0.987-0.993. (16-bit rows of up to
+// a warp gained 1-2% without staging; the rows of a CTA, on a CTA per row group too, lost
+// 6-12%.)
 template <class Op, typename T>
-__host__ __device__ constexpr int staging_buffers(Path path, int vec) {
+__host__ __device__ constexpr int staging_buffers(Path path, int vec, int cta) {
   if (vec == 1 || path == Path::kStream) return 0;
-  if (always_cta_per_group<Op, T>(path)) return 0;
+  if (always_cta_per_group<Op, T>(path, cta == kRowsThreads)) return 0;
   return path == Path::kShared ? 2 : 1;
 }
 
@@ -496,6 +500,26 @@ struct ColumnCache {
   }
 };
 
+// CTAs of `cta` threads that backward_kernel is compiled to fit on an SM at once; the
+// register cap follows (128 per thread for 2 * kMaxThreads threads, 80 for 768). The kernel
+// of softmax's 16-bit rows of up to a warp without a mask (CTAs of kRowsThreads, see
+// with_cta) takes 768 threads: 80 registers on sm_90a, where the kernel of kMaxThreads that
+// served these rows before had 83 and so 512 threads per SM (with a mask, fp16 spills 8-16
+// bytes at 80). H100, 2^26 elements, backward, ratio to clone-equivalent bandwidth at N =
+// 256-1024, two sweeps each against that kernel (which also staged these rows): softmax_
+// 0.955-0.969 -> 0.975-0.986, log_softmax_ 0.892-0.906 -> 0.961-0.974; bf16 softmax_ with a
+// bool mask or causal (the kernel of kRowsThreads with 88 registers, 640 threads) 0.957-0.962
+// -> 0.975-0.983. The kernel of kMaxThreads for 768 threads (80 registers) lost on 16-bit
+// rows of a CTA: softmax_ 0.94 -> 0.92, log_softmax_ 0.93 -> 0.90 at N = 2048-8192.
+template <class Op, typename T>
+__host__ __device__ constexpr int backward_min_ctas(Path path, int cta) {
+  if (cta > kMaxThreads) return 1;
+  if (std::is_same_v<Op, SoftmaxBackwardOp<T, MaskKind::kNone>> && sizeof(T) == 2 &&
+      path == Path::kRegisters && cta == kRowsThreads)
+    return 6;
+  return 2 * kMaxThreads / cta;
+}
+
 // Dynamic shared memory of a resident launch: its staging buffers (of `rows` rows each, see
 // backward_kernel's kR) and its column cache (`column_values` arrays, 0 without one), and
 // with parameter gradients at least the CTA's per-thread column sums (the rows of a CTA add
@@ -503,9 +527,9 @@ struct ColumnCache {
 // needs more).
 template <class Op, typename T>
 constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads, bool params,
-                                         int column_values, int rows) {
+                                         int column_values, int rows, int cta) {
   const int64_t staged =
-      staging_buffers<Op, T>(path, vec) * 2 * int64_t{rows} * nv * threads * 16;
+      staging_buffers<Op, T>(path, vec, cta) * 2 * int64_t{rows} * nv * threads * 16;
   const int64_t cached = int64_t{column_values} * nv * vec * threads * int64_t{sizeof(float)};
   const int64_t sums = params ? int64_t{nv} * vec * threads * int64_t{sizeof(float)} : 0;
   return staged + cached > sums ? staged + cached : sums;
@@ -520,7 +544,7 @@ constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads
 // kLargeCtaThreads, one).
 template <class Op, typename T, int VEC, int NV, Path kPath, bool kParams, bool kCache,
           int kR = 1, int kCta = kMaxThreads>
-__global__ void __launch_bounds__(kCta, kCta > kMaxThreads ? 1 : 2)
+__global__ void __launch_bounds__(kCta, backward_min_ctas<Op, T>(kPath, kCta))
     backward_kernel(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
                     const BackwardRows L, const Op op, const int tpr, const int cluster,
                     const Partials part) {
@@ -538,7 +562,7 @@ __global__ void __launch_bounds__(kCta, kCta > kMaxThreads ? 1 : 2)
                     Op::kClusterRegisters,
                 "the op keeps its rows in shared memory");
   // Register rows whose next row is prefetched into shared memory.
-  constexpr bool kPrefetch = staging_buffers<Op, T>(kPath, VEC) == 1;
+  constexpr bool kPrefetch = staging_buffers<Op, T>(kPath, VEC, kCta) == 1;
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
   __shared__ Rows warp_totals[2][kCta / kWarpSize];
@@ -638,7 +662,7 @@ __global__ void __launch_bounds__(kCta, kCta > kMaxThreads ? 1 : 2)
                 "no column cache here");
   Vec* const staging_end =
       reinterpret_cast<Vec*>(dynamic_smem) +
-      staging_buffers<Op, T>(kPath, VEC) * 2 * kR * NV * slot_stride;
+      staging_buffers<Op, T>(kPath, VEC, kCta) * 2 * kR * NV * slot_stride;
   const Cache cache{reinterpret_cast<typename Cache::Chunk*>(staging_end) + threadIdx.x,
                     slot_stride};
   if constexpr (kCache) {
@@ -1044,12 +1068,16 @@ const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, Path::kStream};
 // Calls f with the CTA size (a std::integral_constant) that backward_kernel is compiled for
 // on kPath with VEC for a launch of `threads` threads: kLargeCtaThreads past kMaxThreads (on
 // the shared vector path and the register vector paths of ops with Op::kLargeCtas, the only
-// ones compiled so), else kMaxThreads.
+// ones compiled so); kRowsThreads for softmax's vector register rows of up to a warp (the
+// only rows launched with kRowsThreads), which stage nothing and may fit more CTAs per SM
+// (see staging_buffers, backward_min_ctas); else kMaxThreads.
 template <class Op, Path kPath, int VEC, class F>
 decltype(auto) with_cta(int threads, F f) {
   if constexpr (VEC > 1 &&
                 (kPath == Path::kShared || (Op::kLargeCtas && kPath != Path::kStream)))
     if (threads > kMaxThreads) return f(std::integral_constant<int, kLargeCtaThreads>{});
+  if constexpr (VEC > 1 && kPath == Path::kRegisters && !Op::kHasParams)
+    if (threads == kRowsThreads) return f(std::integral_constant<int, kRowsThreads>{});
   return f(std::integral_constant<int, kMaxThreads>{});
 }
 
@@ -1064,7 +1092,7 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
     const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, kCta>;
     const int64_t smem = resident_backward_smem<Op, T>(kPath, VEC, NV, threads, kParams,
-                                                       kCache ? Op::kColumnValues : 0, kR);
+                                                       kCache ? Op::kColumnValues : 0, kR, kCta);
     return occupancy_units(kernel, threads, cluster, static_cast<size_t>(smem), sm_count);
   });
 }
@@ -1117,9 +1145,7 @@ struct Launch {
 template <class Op, typename T>
 constexpr int64_t grid_waves(const Shape& shape, bool params, bool cache,
                              bool cluster_registers) {
-  if (always_cta_per_group<Op, T>(shape.path) ||
-      (!Op::kHasParams && shape.path == Path::kRegisters && shape.tpr <= kWarpSize))
-    return 0;
+  if (always_cta_per_group<Op, T>(shape.path, shape.tpr <= kWarpSize)) return 0;
   if (!Op::kHasParams && shape.path == Path::kWideRegisters) return cluster_registers ? 0 : 2;
   return shape.path == Path::kShared && !params && !cache && shape.cluster <= 8 ? 4 : 1;
 }
@@ -1286,21 +1312,22 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     constexpr bool kCache = decltype(cache_const)::value;
     constexpr int kR = decltype(rows_const)::value;
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
-    const auto kernel = with_cta<Op, kPath, VEC>(l.shape.threads, [](auto cta) {
-      return backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, decltype(cta)::value>;
+    return with_cta<Op, kPath, VEC>(l.shape.threads, [&](auto cta) {
+      constexpr int kCta = decltype(cta)::value;
+      const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, kCta>;
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(grid);
+      config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
+      config.dynamicSmemBytes = static_cast<size_t>(resident_backward_smem<Op, T>(
+          kPath, VEC, NV, l.shape.threads, kParams, kCache ? Op::kColumnValues : 0, kR, kCta));
+      config.stream = stream;
+      cudaLaunchAttribute dims = cluster_dims(l.shape.cluster);
+      config.attrs = &dims;
+      config.numAttrs = l.shape.cluster > 1 ? 1 : 0;
+      const cudaError_t err = cudaLaunchKernelEx(&config, kernel, y, dy, dx, L, op,
+                                                 l.shape.tpr, l.shape.cluster, part);
+      return err != cudaSuccess ? err : cudaGetLastError();
     });
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(grid);
-    config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
-    config.dynamicSmemBytes = static_cast<size_t>(resident_backward_smem<Op, T>(
-        kPath, VEC, NV, l.shape.threads, kParams, kCache ? Op::kColumnValues : 0, kR));
-    config.stream = stream;
-    cudaLaunchAttribute dims = cluster_dims(l.shape.cluster);
-    config.attrs = &dims;
-    config.numAttrs = l.shape.cluster > 1 ? 1 : 0;
-    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, y, dy, dx, L, op, l.shape.tpr,
-                                               l.shape.cluster, part);
-    return err != cudaSuccess ? err : cudaGetLastError();
   };
   if constexpr (VEC > 1) {
     if (l.cache) {  // (plan_launch sets it only where the op caches on the path)
