@@ -438,10 +438,10 @@ struct Partials {
 };
 
 // Whether the rows of `path` take a CTA per row group (grid_waves): softmax's register rows
-// in fp32, and of up to a warp (`warp_rows`) in every dtype. Vector rows of up to a warp have
-// a kernel of their own there (CTAs of kRowsThreads, see with_cta), so that this holds for
-// every launch of it: 16-bit rows of a CTA, which share the kernel of kMaxThreads with no
-// rows of a warp now, stride.
+// in fp32, and its register rows of up to a warp (`warp_rows`) in every dtype. Its vector
+// rows of up to a warp have a kernel instance of their own (CTAs of kRowsThreads, see
+// with_cta), so that staging_buffers can tell them apart at compile time; its 16-bit rows of
+// a CTA stride over the rows.
 template <class Op, typename T>
 __host__ __device__ constexpr bool always_cta_per_group(Path path, bool warp_rows) {
   return path == Path::kRegisters && !Op::kHasParams && (sizeof(T) == 4 || warp_rows);
