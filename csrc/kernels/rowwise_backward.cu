@@ -540,8 +540,9 @@ constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads
 // kR (the shared path only, see Op::kSharedRows): a row group takes kR rows at a time, staged
 // together and reduced together (RowStates), so that each reduction's fixed costs (shuffles,
 // barrier, cluster exchange) are paid once per kR rows.
-// kCta: the CTA size the kernel is compiled for (kMaxThreads, two CTAs per SM, or
-// kLargeCtaThreads, one).
+// kCta: the CTA size the kernel is compiled for (kMaxThreads, kLargeCtaThreads, or
+// kRowsThreads for softmax's vector rows of up to a warp, see with_cta), and
+// backward_min_ctas how many of them per SM.
 template <class Op, typename T, int VEC, int NV, Path kPath, bool kParams, bool kCache,
           int kR = 1, int kCta = kMaxThreads>
 __global__ void __launch_bounds__(kCta, backward_min_ctas<Op, T>(kPath, kCta))
