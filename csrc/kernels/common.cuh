@@ -226,21 +226,26 @@ inline cudaError_t current_device(DeviceInfo* info) {
 // lifts the kernel's dynamic shared memory limit past the default 48 KiB where needed. A
 // failed query counts as "none" and its error is cleared so that it does not surface as a
 // launch error. Not cached: callers cache per device and launch shape (once_per_device).
-// The limit is only ever raised: a kernel launched with several sizes of shared memory
-// (backward_kernel with CTAs of 288-512 threads) must keep the largest that a cached launch
-// shape needs (lowered, a later launch of that shape failed with "invalid argument").
-// smem_limit: the limit to lift it to where larger than smem; cooperative: ask for a
-// cooperative launch.
+// The limit is only ever raised (under a lock, so that two host threads cannot lower it
+// either): a kernel launched with several sizes of shared memory (backward_kernel with CTAs
+// of 288-512 threads) must keep the largest that a cached launch shape needs (lowered, a
+// later launch of that shape failed with "invalid argument"). smem_limit: the limit to lift
+// it to where larger than smem; cooperative: ask for a cooperative launch.
 template <class Kernel>
 int occupancy_units(Kernel kernel, int threads, int cluster, size_t smem, int sm_count,
                     size_t smem_limit = 0, bool cooperative = false) {
+  static std::mutex raising;
   int units = 0;
   cudaFuncAttributes attr;
   const size_t limit = std::max(smem, smem_limit);
-  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
-                  (limit <= static_cast<size_t>(attr.maxDynamicSharedSizeBytes) ||
-                   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(limit)) == cudaSuccess);
+  bool ok;
+  {
+    const std::lock_guard<std::mutex> lock(raising);
+    ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
+         (limit <= static_cast<size_t>(attr.maxDynamicSharedSizeBytes) ||
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(limit)) == cudaSuccess);
+  }
   if (ok && cluster == 1) {
     int per_sm = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) ==
