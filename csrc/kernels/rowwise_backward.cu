@@ -3,7 +3,8 @@
 //
 // One kernel serves both ops through a functor (SoftmaxBackwardOp, NormBackwardOp below). A
 // row belongs to a group of `tpr` threads: tpr <= 32 lanes, a run of whole warps (both with
-// as many rows per CTA as fit in kMaxThreads), a CTA of up to kLargeCtaThreads (see there), or
+// as many rows per CTA as fit in kMaxThreads, but softmax's 16-bit rows of more than a warp:
+// one_row_per_cta), a CTA of up to kLargeCtaThreads (see there), or
 // on sm_90+ a cluster of `cluster` CTAs of kMaxThreads (or kLargeCtaThreads) that reduce over
 // distributed shared memory (kernels/reduce.cuh). Thread t of the group owns the row's vectors
 // t, t + tpr, t + 2 tpr, ... (so a warp reads 32 neighbouring vectors at a time), NV of them
@@ -12,7 +13,7 @@
 //  - Path::kRegisters: rows that a CTA holds in registers, one step, read once. Vector rows
 //    (16-byte accesses, see below) are prefetched: the thread's vectors of its next row are
 //    copied into shared memory (cp.async) while the current row is reduced and written
-//    (but softmax's fp32 rows and its rows of up to a warp, which have no next row: see
+//    (but softmax's, which take a CTA per row group and so have no next row: see
 //    staging_buffers).
 //  - Path::kWideRegisters: the same for softmax's rows that a CTA holds only with more
 //    elements per thread (16-bit rows, SoftmaxBackwardOp::kWideElems).
@@ -437,29 +438,38 @@ struct Partials {
   bool smem_sums = false;  // streaming path: sum in dynamic shared memory, [w?][b?] x n floats
 };
 
-// Whether the rows of `path` take a CTA per row group (grid_waves): softmax's register rows
-// in fp32, and its register rows of up to a warp (`warp_rows`) in every dtype. Its vector
-// rows of up to a warp have a kernel instance of their own (CTAs of kRowsThreads, see
-// with_cta), so that staging_buffers can tell them apart at compile time; its 16-bit rows of
-// a CTA stride over the rows.
+// Whether the rows of `path` take a CTA per row group (grid_waves): softmax's register rows.
+template <class Op>
+__host__ __device__ constexpr bool always_cta_per_group(Path path) {
+  return path == Path::kRegisters && !Op::kHasParams;
+}
+
+// Whether vector register rows of more than a warp take a CTA of their own (tpr threads)
+// rather than sharing CTAs of up to kMaxThreads: softmax's 16-bit rows. Rows that share a
+// CTA reduce in lockstep, each waiting at the CTA's barriers for the slowest; a CTA per row
+// lets each row's loads, reduction and stores run at their own pace, and on 768 threads per
+// SM (backward_min_ctas) more rows are in flight. H100, 2^26 elements, backward, ratio to
+// clone-equivalent bandwidth at N = 2048-8192, two builds, two sweeps each in turns, rows
+// sharing CTAs of 256 and striding over them -> a CTA per row: softmax_
+// 0.920-0.934 -> 0.976-0.985, log_softmax_ 0.917-0.925 -> 0.947-0.971, softmax_ with a bool
+// mask 0.937-1.077 -> 0.987-1.141 (bf16 and fp16 alike). fp32 rows (0.99 sharing) keep theirs.
 template <class Op, typename T>
-__host__ __device__ constexpr bool always_cta_per_group(Path path, bool warp_rows) {
-  return path == Path::kRegisters && !Op::kHasParams && (sizeof(T) == 4 || warp_rows);
+constexpr bool one_row_per_cta() {
+  return !Op::kHasParams && sizeof(T) == 2;
 }
 
 // Staging buffers of y's and dy's vectors that backward_kernel's `path` keeps in shared
 // memory (see there): two on the shared path, one for the register paths' prefetch of vector
-// rows, none for scalar or streamed rows, nor where always_cta_per_group (for the kernel
-// compiled for CTAs of `cta` threads): no CTA has a next row to prefetch there, and staging
-// the row it has only delays it. H100, 2^26 elements, backward, ratio to clone-equivalent
-// bandwidth at N = 1024-8192, two sweeps each against the prefetching kernel: fp32 softmax_
-// 0.990-0.993 -> 0.993-0.997, log_softmax_ 0.980-0.987 -> 0.987-0.993. (16-bit rows of up to
-// a warp gained 1-2% without staging; the rows of a CTA, on a CTA per row group too, lost
-// 6-12%.)
-template <class Op, typename T>
-__host__ __device__ constexpr int staging_buffers(Path path, int vec, int cta) {
+// rows, none for scalar or streamed rows, nor where always_cta_per_group: no CTA has a next
+// row to prefetch there, and staging the row it has only delays it. H100, 2^26 elements,
+// backward, ratio to clone-equivalent bandwidth at N = 1024-8192, two sweeps each against the
+// prefetching kernel: fp32 softmax_ 0.990-0.993 -> 0.993-0.997, log_softmax_ 0.980-0.987 ->
+// 0.987-0.993. (16-bit rows of up to a warp gained 1-2% without staging; for the rows of a
+// CTA see one_row_per_cta.)
+template <class Op>
+__host__ __device__ constexpr int staging_buffers(Path path, int vec) {
   if (vec == 1 || path == Path::kStream) return 0;
-  if (always_cta_per_group<Op, T>(path, cta == kRowsThreads)) return 0;
+  if (always_cta_per_group<Op>(path)) return 0;
   return path == Path::kShared ? 2 : 1;
 }
 
@@ -501,23 +511,25 @@ struct ColumnCache {
 };
 
 // CTAs of `cta` threads that backward_kernel is compiled to fit on an SM at once; the
-// register cap follows (128 per thread for 2 * kMaxThreads threads, 80 for 768). The kernel
-// of softmax's 16-bit rows of up to a warp without a mask (CTAs of kRowsThreads, see
-// with_cta) takes 768 threads: 80 registers on sm_90a, where the kernel of kMaxThreads that
-// served these rows before had 83 and so 512 threads per SM (with a mask, fp16 spills 8-16
-// bytes at 80). H100, 2^26 elements, backward, ratio to clone-equivalent bandwidth at N =
-// 256-1024, two sweeps each against that kernel (which also staged these rows): softmax_
+// register cap follows (128 per thread for 2 * kMaxThreads threads, 80 for 768). Softmax's
+// 16-bit register rows run on CTAs of fewer threads (kRowsThreads for rows of up to a warp,
+// else one_row_per_cta), so an SM takes as many threads as their registers allow. Without a
+// mask their kernel is compiled for 768: 80 registers on sm_90a, where the kernel for 512 had
+// 83 (with a mask, fp16 spills 8-16 bytes at 80; those kernels have 88-89 registers, about
+// 640 threads per SM). H100, 2^26 elements, backward, ratio to clone-equivalent bandwidth
+// at N = 256-1024, two sweeps each against 512 threads per SM and the rows staged: softmax_
 // 0.955-0.969 -> 0.975-0.986, log_softmax_ 0.892-0.906 -> 0.961-0.974; bf16 softmax_ with a
-// bool mask or causal (the kernel of kRowsThreads with 88 registers, 640 threads) 0.957-0.962
-// -> 0.975-0.983. The kernel of kMaxThreads for 768 threads (80 registers) lost on 16-bit
-// rows of a CTA: softmax_ 0.94 -> 0.92, log_softmax_ 0.93 -> 0.90 at N = 2048-8192.
+// bool mask or causal (88 registers, 640 threads) 0.957-0.962 -> 0.975-0.983. The rows of a
+// CTA lost at 768 threads while they shared CTAs of kMaxThreads (softmax_ 0.94 -> 0.92,
+// log_softmax_ 0.93 -> 0.90 at N = 2048-8192), and gained one to a CTA (see
+// one_row_per_cta).
 template <class Op, typename T>
 __host__ __device__ constexpr int backward_min_ctas(Path path, int cta) {
   if (cta > kMaxThreads) return 1;
   if (std::is_same_v<Op, SoftmaxBackwardOp<T, MaskKind::kNone>> && sizeof(T) == 2 &&
-      path == Path::kRegisters && cta == kRowsThreads)
-    return 6;
-  return 2 * kMaxThreads / cta;
+      path == Path::kRegisters)
+    return 3;
+  return 2;
 }
 
 // Dynamic shared memory of a resident launch: its staging buffers (of `rows` rows each, see
@@ -525,11 +537,11 @@ __host__ __device__ constexpr int backward_min_ctas(Path path, int cta) {
 // with parameter gradients at least the CTA's per-thread column sums (the rows of a CTA add
 // theirs there at the end, see backward_kernel; only the scalar path, which stages nothing,
 // needs more).
-template <class Op, typename T>
+template <class Op>
 constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads, bool params,
-                                         int column_values, int rows, int cta) {
+                                         int column_values, int rows) {
   const int64_t staged =
-      staging_buffers<Op, T>(path, vec, cta) * 2 * int64_t{rows} * nv * threads * 16;
+      staging_buffers<Op>(path, vec) * 2 * int64_t{rows} * nv * threads * 16;
   const int64_t cached = int64_t{column_values} * nv * vec * threads * int64_t{sizeof(float)};
   const int64_t sums = params ? int64_t{nv} * vec * threads * int64_t{sizeof(float)} : 0;
   return staged + cached > sums ? staged + cached : sums;
@@ -540,9 +552,8 @@ constexpr int64_t resident_backward_smem(Path path, int vec, int nv, int threads
 // kR (the shared path only, see Op::kSharedRows): a row group takes kR rows at a time, staged
 // together and reduced together (RowStates), so that each reduction's fixed costs (shuffles,
 // barrier, cluster exchange) are paid once per kR rows.
-// kCta: the CTA size the kernel is compiled for (kMaxThreads, kLargeCtaThreads, or
-// kRowsThreads for softmax's vector rows of up to a warp, see with_cta), and
-// backward_min_ctas how many of them per SM.
+// kCta: the CTA size the kernel is compiled for (kMaxThreads or kLargeCtaThreads, see
+// with_cta; a launch may take fewer threads), and backward_min_ctas how many of them per SM.
 template <class Op, typename T, int VEC, int NV, Path kPath, bool kParams, bool kCache,
           int kR = 1, int kCta = kMaxThreads>
 __global__ void __launch_bounds__(kCta, backward_min_ctas<Op, T>(kPath, kCta))
@@ -563,7 +574,7 @@ __global__ void __launch_bounds__(kCta, backward_min_ctas<Op, T>(kPath, kCta))
                     Op::kClusterRegisters,
                 "the op keeps its rows in shared memory");
   // Register rows whose next row is prefetched into shared memory.
-  constexpr bool kPrefetch = staging_buffers<Op, T>(kPath, VEC, kCta) == 1;
+  constexpr bool kPrefetch = staging_buffers<Op>(kPath, VEC) == 1;
   // A resident row fits on chip, so its columns fit in an int; a streamed one may not.
   using Col = std::conditional_t<kStream, int64_t, int>;
   __shared__ Rows warp_totals[2][kCta / kWarpSize];
@@ -663,7 +674,7 @@ __global__ void __launch_bounds__(kCta, backward_min_ctas<Op, T>(kPath, kCta))
                 "no column cache here");
   Vec* const staging_end =
       reinterpret_cast<Vec*>(dynamic_smem) +
-      staging_buffers<Op, T>(kPath, VEC, kCta) * 2 * kR * NV * slot_stride;
+      staging_buffers<Op>(kPath, VEC) * 2 * kR * NV * slot_stride;
   const Cache cache{reinterpret_cast<typename Cache::Chunk*>(staging_end) + threadIdx.x,
                     slot_stride};
   if constexpr (kCache) {
@@ -1006,7 +1017,7 @@ struct Shape {
 };
 
 Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_cluster,
-                 bool cluster_registers, int large_threads, bool large_registers,
+                 bool row_per_cta, bool cluster_registers, int large_threads, bool large_registers,
                  int large_cluster_min) {
   Shape s;
   if (vecs <= int64_t{kWarpSize} * reg_nv) {
@@ -1016,10 +1027,11 @@ Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_c
     return s;
   }
   if (vecs <= int64_t{kMaxThreads} * reg_nv) {
-    // As many rows per CTA as fit in kMaxThreads: with parameter gradients each CTA writes
-    // one scratch row, so fewer, larger CTAs mean fewer partial sums to write and add.
+    // As many rows per CTA as fit in kMaxThreads (but `row_per_cta`, see one_row_per_cta):
+    // with parameter gradients each CTA writes one scratch row, so fewer, larger CTAs mean
+    // fewer partial sums to write and add.
     s.tpr = static_cast<int>(round_up(ceil_div(vecs, reg_nv), kWarpSize));
-    s.threads = s.tpr * (kMaxThreads / s.tpr);
+    s.threads = row_per_cta ? s.tpr : s.tpr * (kMaxThreads / s.tpr);
     return s;
   }
   // As few full CTAs as hold the row (any count: a power of two would leave up to half of
@@ -1069,16 +1081,12 @@ const Shape kStreamShape{kMaxThreads, kMaxThreads, 1, Path::kStream};
 // Calls f with the CTA size (a std::integral_constant) that backward_kernel is compiled for
 // on kPath with VEC for a launch of `threads` threads: kLargeCtaThreads past kMaxThreads (on
 // the shared vector path and the register vector paths of ops with Op::kLargeCtas, the only
-// ones compiled so); kRowsThreads for softmax's vector register rows of up to a warp (the
-// only rows launched with kRowsThreads), which stage nothing and may fit more CTAs per SM
-// (see staging_buffers, backward_min_ctas); else kMaxThreads.
+// ones compiled so); else kMaxThreads, for launches of up to as many.
 template <class Op, Path kPath, int VEC, class F>
 decltype(auto) with_cta(int threads, F f) {
   if constexpr (VEC > 1 &&
                 (kPath == Path::kShared || (Op::kLargeCtas && kPath != Path::kStream)))
     if (threads > kMaxThreads) return f(std::integral_constant<int, kLargeCtaThreads>{});
-  if constexpr (VEC > 1 && kPath == Path::kRegisters && !Op::kHasParams)
-    if (threads == kRowsThreads) return f(std::integral_constant<int, kRowsThreads>{});
   return f(std::integral_constant<int, kMaxThreads>{});
 }
 
@@ -1092,8 +1100,8 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
   return once_per_device(cache[threads / kWarpSize][cluster], device, [&](int) {
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
     const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, kCta>;
-    const int64_t smem = resident_backward_smem<Op, T>(kPath, VEC, NV, threads, kParams,
-                                                       kCache ? Op::kColumnValues : 0, kR, kCta);
+    const int64_t smem = resident_backward_smem<Op>(kPath, VEC, NV, threads, kParams,
+                                                       kCache ? Op::kColumnValues : 0, kR);
     return occupancy_units(kernel, threads, cluster, static_cast<size_t>(smem), sm_count);
   });
 }
@@ -1129,24 +1137,26 @@ struct Launch {
 // grids, softmax_ on cluster registers at 16384 0.866 -> 0.856): each CTA's setup (the
 // column cache, its scratch row of the parameter gradients) is paid once per CTA, so the more
 // often the larger the grid. (The forward sizes its grid by rows_per_unit, rowwise.cuh.)
-// 0: a CTA per row group, none striding, for softmax's register rows of up to a warp, its
-// fp32 rows of a CTA and softmax_'s wide 16-bit rows (log_softmax_'s, which `cluster_registers`
-// tells apart, see SoftmaxBackwardOp, take two grids): the next row's prefetch then has
-// nothing to hide that the hardware's next CTA does not. H100, 2^26 elements, backward, ratio
-// to clone-equivalent bandwidth, striding -> a CTA per row group, two sweeps each: fp32
+// 0: a CTA per row group, none striding, for softmax's register rows (its 16-bit rows of
+// more than a warp one to a CTA, see one_row_per_cta) and softmax_'s wide 16-bit rows
+// (log_softmax_'s, which `cluster_registers` tells apart, see SoftmaxBackwardOp, take two
+// grids): the next row's prefetch then has nothing to hide that the hardware's next CTA
+// does not. H100, 2^26 elements, backward, ratio to clone-equivalent bandwidth, striding -> a
+// CTA per row group, two sweeps each: fp32
 // softmax_ at N = 256-1024 / 2048-8192 0.94 / 0.95 -> 0.99, fp32 log_softmax_ 0.92 / 0.93 ->
 // 0.99 / 0.98; 16-bit softmax_ at 256-1024 0.91 -> 0.96-0.97, log_softmax_ 0.88-0.89 -> 0.90;
 // wide rows (16384) of bf16 / fp16 softmax_ 0.905 / 0.915 -> 0.94 / 0.95. bf16 log_softmax_'s
 // wide rows: 0.888 / 0.884 striding, 0.918 / 0.918 with two grids, 0.901 / 0.905 with four,
-// 0.86 with a CTA per row group. Not taken: 16-bit rows of a CTA (N = 2048-8192, 0.94 -> 0.86
-// with a CTA per row group, 0.94 / 0.92 with two grids; log_softmax_ 0.93 -> 0.79 / 0.92),
+// 0.86 with a CTA per row group. Not taken: 16-bit rows of a CTA while they shared CTAs of
+// kMaxThreads (N = 2048-8192, 0.94 -> 0.86 with a CTA per row group, 0.94 / 0.92 with two
+// grids; log_softmax_ 0.93 -> 0.79 / 0.92; one row per CTA took them, see one_row_per_cta),
 // fp32 clusters (16384, 0.88 -> 0.81; two or four grids: -1% to +1% for softmax_, -1% to -4%
 // for log_softmax_ at 16384-65536) and 16-bit softmax_'s (two or four grids: 0.85 -> 0.84 /
 // 0.82 at 32768).
-template <class Op, typename T>
+template <class Op>
 constexpr int64_t grid_waves(const Shape& shape, bool params, bool cache,
                              bool cluster_registers) {
-  if (always_cta_per_group<Op, T>(shape.path, shape.tpr <= kWarpSize)) return 0;
+  if (always_cta_per_group<Op>(shape.path)) return 0;
   if (!Op::kHasParams && shape.path == Path::kWideRegisters) return cluster_registers ? 0 : 2;
   return shape.path == Path::kShared && !params && !cache && shape.cluster <= 8 ? 4 : 1;
 }
@@ -1170,7 +1180,8 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
   const auto shape = [&](bool large) {
     return pick_shape(ceil_div(n, vec), path_nv<Op>(Path::kRegisters, vec, params), wide_nv,
                       path_nv<Op>(Path::kShared, vec, params),
-                      !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1, cluster_registers,
+                      !l.vec ? 0 : dev.cluster_launch ? kMaxCluster : 1,
+                      l.vec && one_row_per_cta<Op, T>(), cluster_registers,
                       large ? kLargeCtaThreads : 0, Op::kLargeCtas, Op::kLargeClusterMin);
   };
   // Vector rows only: scalar rows keep kScalarNV elements per thread on CTAs of kMaxThreads.
@@ -1241,7 +1252,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
       if (l.shape.path != Path::kStream) fits = fits_of();
     }
     if (fits > 0) {
-      const int64_t waves = grid_waves<Op, T>(l.shape, params, l.cache, cluster_registers);
+      const int64_t waves = grid_waves<Op>(l.shape, params, l.cache, cluster_registers);
       max_units = waves > 0 ? fits * waves : std::numeric_limits<int>::max() / l.shape.cluster;
     } else if (l.vec) {
       l.shape = kStreamShape;
@@ -1319,8 +1330,8 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
       cudaLaunchConfig_t config = {};
       config.gridDim = dim3(grid);
       config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
-      config.dynamicSmemBytes = static_cast<size_t>(resident_backward_smem<Op, T>(
-          kPath, VEC, NV, l.shape.threads, kParams, kCache ? Op::kColumnValues : 0, kR, kCta));
+      config.dynamicSmemBytes = static_cast<size_t>(resident_backward_smem<Op>(
+          kPath, VEC, NV, l.shape.threads, kParams, kCache ? Op::kColumnValues : 0, kR));
       config.stream = stream;
       cudaLaunchAttribute dims = cluster_dims(l.shape.cluster);
       config.attrs = &dims;
