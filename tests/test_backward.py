@@ -136,6 +136,21 @@ def test_softmax_grads_widths(device, dtype, log, n):
     check_grads(op, ref, x, scale=0.5, mask=make_mask("bool", (n,), device, dtype, 5))
 
 
+@pytest.mark.parametrize("n", (64, 1024, 4096, 20000))
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_log_softmax_grads_tiny_probabilities(device, dtype, n):
+    """Log-probabilities below -87.3, whose exps are subnormal (or 0) in fp32, among ordinary
+    ones: the 16-bit CUDA kernels take __expf for the vectors that hold them and one MUFU.EX2
+    per element for the others (SoftmaxBackwardOp::with_exp)."""
+    x = randn((3, n), dtype, device, n, scale=3.0)
+    # The first quarter of each row 95 below the rest (vectors of subnormal exps only), then
+    # 5 columns 130 below (exps of 0, in a vector with 3 ordinary ones).
+    x[:, : n // 4] -= 95.0
+    x[:, n // 4 : n // 4 + 5] -= 130.0
+    check_grads(mti.log_softmax_, ref_log_softmax, x)
+
+
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("device", DEVICES)
 def test_softmax_grads_other_dim(device, dim):
