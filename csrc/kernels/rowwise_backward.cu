@@ -1141,7 +1141,7 @@ int64_t resident_backward_units(int device, int threads, int cluster, int sm_cou
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
     const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, kCta>;
     const int64_t smem = resident_backward_smem<Op>(kPath, VEC, NV, threads, kParams,
-                                                       kCache ? Op::kColumnValues : 0, kR);
+                                                    kCache ? Op::kColumnValues : 0, kR);
     return occupancy_units(kernel, threads, cluster, static_cast<size_t>(smem), sm_count);
   });
 }
@@ -1182,9 +1182,9 @@ struct Launch {
 // (log_softmax_'s, which `cluster_registers` tells apart, see SoftmaxBackwardOp, take two
 // grids): the next row's prefetch then has nothing to hide that the hardware's next CTA
 // does not. H100, 2^26 elements, backward, ratio to clone-equivalent bandwidth, striding -> a
-// CTA per row group, two sweeps each: fp32
-// softmax_ at N = 256-1024 / 2048-8192 0.94 / 0.95 -> 0.99, fp32 log_softmax_ 0.92 / 0.93 ->
-// 0.99 / 0.98; 16-bit softmax_ at 256-1024 0.91 -> 0.96-0.97, log_softmax_ 0.88-0.89 -> 0.90;
+// CTA per row group, two sweeps each: fp32 softmax_ at N = 256-1024 / 2048-8192 0.94 / 0.95
+// -> 0.99, fp32 log_softmax_ 0.92 / 0.93 -> 0.99 / 0.98; 16-bit softmax_ at 256-1024 0.91 ->
+// 0.96-0.97, log_softmax_ 0.88-0.89 -> 0.90;
 // wide rows (16384) of bf16 / fp16 softmax_ 0.905 / 0.915 -> 0.94 / 0.95. bf16 log_softmax_'s
 // wide rows: 0.888 / 0.884 striding, 0.918 / 0.918 with two grids, 0.901 / 0.905 with four,
 // 0.86 with a CTA per row group. Not taken: 16-bit rows of a CTA while they shared CTAs of
