@@ -48,8 +48,8 @@ def nvcc(source: Path) -> subprocess.CompletedProcess:
 
 
 # ptxas -v prints, per kernel and architecture: "Compiling entry function '<name>' for
-# 'sm_XX'" and later "N bytes spill stores, M bytes spill loads".
-_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+)'")
+# 'sm_XX'" (sm_90a: 'sm_90a') and later "N bytes spill stores, M bytes spill loads".
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+a?)'")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 

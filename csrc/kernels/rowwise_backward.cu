@@ -244,6 +244,17 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
     return {};
   }
 
+  // Where with_exp has two ways (16-bit, no mask tensor), add() and grad() keep softmax's loop
+  // apart from log_softmax's: with one loop for both inside with_exp, 16-bit softmax_ lost
+  // 4-5% at N = 16384-65536. Elsewhere one loop serves both, as before with_exp: apart, fp16's
+  // masked kernels of rows that no cluster holds (Path::kWideRegisterCluster) spilled 4 bytes
+  // on sm_90a. H100, 2^26 elements, backward, ratio to clone-equivalent bandwidth, two builds,
+  // two sweeps each in turns, __expf in one loop for both -> with_exp in loops apart: 16-bit
+  // log_softmax_ 0.945-0.972 -> 0.977-0.991 at N = 1024-8192, 0.91 -> 0.92-0.94 at
+  // 16384-32768, 0.80 -> 0.84 at 65536, 0.76 -> 0.79-0.80 at 131072; 16-bit softmax_
+  // 0.94-0.95 -> 0.97 at 16384, 0.83 -> 0.85 at 65536 (causal at 65536 0.827 -> 0.823).
+  static constexpr bool kLoopsApart = sizeof(T) == 2 && kMask == MaskKind::kNone;
+
   // Calls f with log_softmax's exp for a vector y: exp_for<T>, or where that has the same
   // bits for every element, one MUFU.EX2 each. A 16-bit y's __expf pays three instructions
   // per element to return subnormal exps (see ex2_ftz), which only a vector with some
@@ -251,40 +262,42 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // smallest y tells, for one min per element (as the forward's SoftmaxOp::local does per
   // chunk). Not with a mask tensor: skipping its -inf costs an FMA per element, and the fp16
   // kernels of rows that no cluster holds otherwise spilled 12-16 bytes. f is called once, so
-  // that each exp is computed where it is used. add() and grad() keep softmax's loop apart
-  // from log_softmax's: with one loop for both inside with_exp, 16-bit softmax_ lost 4-5% at
-  // N = 16384-65536. H100, 2^26 elements, backward, ratio to clone-equivalent bandwidth, two
-  // builds, two sweeps each in turns, __expf in one loop for both -> with_exp in loops apart:
-  // 16-bit log_softmax_ 0.945-0.972 -> 0.977-0.991 at N = 1024-8192, 0.91 -> 0.92-0.94 at
-  // 16384-32768, 0.80 -> 0.84 at 65536, 0.76 -> 0.79-0.80 at 131072; 16-bit softmax_ 0.94-0.95
-  // -> 0.97 at 16384, 0.83 -> 0.85 at 65536 (causal at 65536 0.827 -> 0.823).
+  // that each exp is computed where it is used.
   template <int VEC, class F>
   __device__ __forceinline__ void with_exp(const float (&y)[VEC], F f) const {
-    if constexpr (sizeof(T) == 2 && kMask == MaskKind::kNone) {
-      if (log && fold<VEC>([&](int j) { return y[j]; }, Min{}) * kLog2e >= -126.f)
-        return f([](float v) { return ex2_ftz(v * kLog2e); });
-    }
+    static_assert(kLoopsApart, "with_exp serves the loops apart only");
+    if (fold<VEC>([&](int j) { return y[j]; }, Min{}) * kLog2e >= -126.f)
+      return f([](float v) { return ex2_ftz(v * kLog2e); });
     f([](float v) { return exp_for<T>(v); });
   }
 
   template <int VEC>
   __device__ __forceinline__ void add(State& s, const float (&y)[VEC], const float (&g)[VEC],
                                       const ParamValues<0, VEC>&) const {
-    if (log) {
-      with_exp(y, [&](auto exp) {
+    if constexpr (kLoopsApart) {
+      if (log) {
+        with_exp(y, [&](auto exp) {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          s.a += Acc(g[j]);
-          s.b += Acc(exp(y[j]));
-        }
-      });
-      return;
-    }
+          for (int j = 0; j < VEC; ++j) {
+            s.a += Acc(g[j]);
+            s.b += Acc(exp(y[j]));
+          }
+        });
+        return;
+      }
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const Acc gj = g[j], yj = y[j];
-      s.a += gj * yj;
-      s.b += yj;
+      for (int j = 0; j < VEC; ++j) {
+        const Acc gj = g[j], yj = y[j];
+        s.a += gj * yj;
+        s.b += yj;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const Acc gj = g[j], yj = y[j];
+        s.a += log ? gj : gj * yj;
+        s.b += log ? Acc(exp_for<T>(y[j])) : yj;
+      }
     }
   }
 
@@ -304,29 +317,50 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
     Packed<MaskT, VEC> m;
     if constexpr (kMask != MaskKind::kNone)  // a bool one kept in L2, as in the forward
       m = load_vec<VEC, kMask == MaskKind::kBool>(rc.mask, c0, mask_col_stride);
-    const auto each = [&](auto dz_of) {
+    if constexpr (kLoopsApart) {
+      const auto each = [&](auto dz_of) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          bool active = c0 + j < rc.limit;
+          if constexpr (kMask == MaskKind::kBool) active = active && m.v[j] != 0;
+          if constexpr (kMask == MaskKind::kAdditive)
+            active = active && to_float(m.v[j]) != -INFINITY;
+          out[j] = active ? dz_of(j) * scale : 0.f;
+        }
+      };
+      if (log) {
+        with_exp(y, [&](auto exp) {
+          each([&](int j) {
+            const float e = exp(y[j]);
+            const float dz = fmaf(-e, f.s.hi, g[j]);
+            return Split<Acc>::kLo ? fmaf(-e, f.s.lo, dz) : dz;
+          });
+        });
+      } else {
+        each([&](int j) {
+          const float dz = Split<Acc>::kLo ? (g[j] - f.s.hi) - f.s.lo : g[j] - f.s.hi;
+          return dz * y[j];
+        });
+      }
+    } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         bool active = c0 + j < rc.limit;
         if constexpr (kMask == MaskKind::kBool) active = active && m.v[j] != 0;
         if constexpr (kMask == MaskKind::kAdditive)
           active = active && to_float(m.v[j]) != -INFINITY;
-        out[j] = active ? dz_of(j) * scale : 0.f;
+        float dz;
+        if (log) {
+          const float e = exp_for<T>(y[j]);
+          dz = fmaf(-e, f.s.hi, g[j]);
+          if constexpr (Split<Acc>::kLo) dz = fmaf(-e, f.s.lo, dz);
+        } else {
+          dz = g[j] - f.s.hi;
+          if constexpr (Split<Acc>::kLo) dz -= f.s.lo;
+          dz *= y[j];
+        }
+        out[j] = active ? dz * scale : 0.f;
       }
-    };
-    if (log) {
-      with_exp(y, [&](auto exp) {
-        each([&](int j) {
-          const float e = exp(y[j]);
-          const float dz = fmaf(-e, f.s.hi, g[j]);
-          return Split<Acc>::kLo ? fmaf(-e, f.s.lo, dz) : dz;
-        });
-      });
-    } else {
-      each([&](int j) {
-        const float dz = Split<Acc>::kLo ? (g[j] - f.s.hi) - f.s.lo : g[j] - f.s.hi;
-        return dz * y[j];
-      });
     }
   }
 };
