@@ -317,16 +317,16 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
     Packed<MaskT, VEC> m;
     if constexpr (kMask != MaskKind::kNone)  // a bool one kept in L2, as in the forward
       m = load_vec<VEC, kMask == MaskKind::kBool>(rc.mask, c0, mask_col_stride);
+    const auto active_at = [&](int j) {
+      bool active = c0 + j < rc.limit;
+      if constexpr (kMask == MaskKind::kBool) active = active && m.v[j] != 0;
+      if constexpr (kMask == MaskKind::kAdditive) active = active && to_float(m.v[j]) != -INFINITY;
+      return active;
+    };
     if constexpr (kLoopsApart) {
       const auto each = [&](auto dz_of) {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          bool active = c0 + j < rc.limit;
-          if constexpr (kMask == MaskKind::kBool) active = active && m.v[j] != 0;
-          if constexpr (kMask == MaskKind::kAdditive)
-            active = active && to_float(m.v[j]) != -INFINITY;
-          out[j] = active ? dz_of(j) * scale : 0.f;
-        }
+        for (int j = 0; j < VEC; ++j) out[j] = active_at(j) ? dz_of(j) * scale : 0.f;
       };
       if (log) {
         with_exp(y, [&](auto exp) {
@@ -345,10 +345,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        bool active = c0 + j < rc.limit;
-        if constexpr (kMask == MaskKind::kBool) active = active && m.v[j] != 0;
-        if constexpr (kMask == MaskKind::kAdditive)
-          active = active && to_float(m.v[j]) != -INFINITY;
+        const bool active = active_at(j);
         float dz;
         if (log) {
           const float e = exp_for<T>(y[j]);
