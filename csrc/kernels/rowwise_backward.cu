@@ -1395,22 +1395,21 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     constexpr bool kCache = decltype(cache_const)::value;
     constexpr int kR = decltype(rows_const)::value;
     constexpr int NV = path_nv<Op>(kPath, VEC, kParams);
-    return with_cta<Op, kPath, VEC>(l.shape.threads, [&](auto cta) {
-      constexpr int kCta = decltype(cta)::value;
-      const auto kernel = backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, kCta>;
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(grid);
-      config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
-      config.dynamicSmemBytes = static_cast<size_t>(resident_backward_smem<Op>(
-          kPath, VEC, NV, l.shape.threads, kParams, kCache ? Op::kColumnValues : 0, kR));
-      config.stream = stream;
-      cudaLaunchAttribute dims = cluster_dims(l.shape.cluster);
-      config.attrs = &dims;
-      config.numAttrs = l.shape.cluster > 1 ? 1 : 0;
-      const cudaError_t err = cudaLaunchKernelEx(&config, kernel, y, dy, dx, L, op,
-                                                 l.shape.tpr, l.shape.cluster, part);
-      return err != cudaSuccess ? err : cudaGetLastError();
+    const auto kernel = with_cta<Op, kPath, VEC>(l.shape.threads, [](auto cta) {
+      return backward_kernel<Op, T, VEC, NV, kPath, kParams, kCache, kR, decltype(cta)::value>;
     });
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(static_cast<unsigned>(l.shape.threads));
+    config.dynamicSmemBytes = static_cast<size_t>(resident_backward_smem<Op>(
+        kPath, VEC, NV, l.shape.threads, kParams, kCache ? Op::kColumnValues : 0, kR));
+    config.stream = stream;
+    cudaLaunchAttribute dims = cluster_dims(l.shape.cluster);
+    config.attrs = &dims;
+    config.numAttrs = l.shape.cluster > 1 ? 1 : 0;
+    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, y, dy, dx, L, op, l.shape.tpr,
+                                               l.shape.cluster, part);
+    return err != cudaSuccess ? err : cudaGetLastError();
   };
   if constexpr (VEC > 1) {
     if (l.cache) {  // (plan_launch sets it only where the op caches on the path)
