@@ -75,6 +75,12 @@ enum class Path {
   kStream
 };
 
+// Which rows past a CTA's registers a cluster's registers hold (Path::kRegisterCluster, and
+// Path::kWideRegisterCluster where the op has it), the others being staged in shared memory
+// (Path::kShared): none, only those that take clusters of large CTAs (see pick_shape), or
+// all. See SoftmaxBackwardOp::cluster_registers.
+enum class ClusterRegisters { kNone, kLargeCtas, kAll };
+
 // Elements (Path::kRegisters) or vectors (Path::kShared) per thread. Registers: softmax's y
 // and grad take 32 registers each in fp32 (16-bit types take 64 elements there on the wide
 // paths, see SoftmaxBackwardOp::kWideElems); norms read weight and bias along, and with
@@ -189,16 +195,23 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   using MaskT = typename Rows::template MaskOf<T>;
   static constexpr bool kHasParams = false;
   static constexpr int kResidentElems = kSoftmaxElems;
-  // Rows past a CTA's registers: held by a cluster's registers (Path::kRegisterCluster) where
-  // cluster_registers() says so, else staged in shared memory (Path::kShared). H100, 2^26
-  // elements, ratio to clone-equivalent bandwidth at N = 16384-65536, shared -> registers:
-  // 16-bit softmax_ 0.80-0.85 -> 0.83-0.87, fp32 softmax_ and log_softmax_ 0.80-0.87 ->
-  // 0.84-0.89, and fp32 rows of 131072, which no cluster's shared memory holds, 0.59 -> 0.78
-  // instead of streamed; but 16-bit log_softmax_ (which alone computes exp(y), in both
-  // passes; why registers cost it was not found) lost 1-7% at 32768-131072. (The norms lost
-  // more: see NormBackwardOp.)
+  // Rows past a CTA's registers: held by a cluster's registers (Path::kRegisterCluster)
+  // where cluster_registers() says so, else staged in shared memory (Path::kShared). H100,
+  // 2^26 elements, ratio to clone-equivalent bandwidth at N = 16384-65536, shared ->
+  // registers: 16-bit softmax_ 0.80-0.85 -> 0.83-0.87, fp32 softmax_ and log_softmax_
+  // 0.80-0.87 -> 0.84-0.89, and fp32 rows of 131072, which no cluster's shared memory holds,
+  // 0.59 -> 0.78 instead of streamed. 16-bit log_softmax_ (which alone computes exp(y), in
+  // both passes) lost 1-7% on registers at 32768-131072 while its exps took five
+  // instructions; since with_exp's two (no mask tensor), registers against the shared path
+  // (two builds, two sweeps each in turns, stop 53, bf16 and fp16 alike): N = 65536 (clusters
+  // of 8 CTAs of kMaxThreads) 0.84 -> 0.83, 131072 (clusters of 8 large CTAs) 0.79-0.80 ->
+  // 0.84, 262144 (wide clusters of 16) 0.80 -> 0.72. So those take registers only on large
+  // CTAs; with a mask tensor, none. (The norms lost more: see NormBackwardOp.)
   static constexpr bool kClusterRegisters = true;
-  bool cluster_registers() const { return sizeof(T) == 4 || !log; }
+  ClusterRegisters cluster_registers() const {
+    if (sizeof(T) == 4 || !log) return ClusterRegisters::kAll;
+    return kLoopsApart ? ClusterRegisters::kLargeCtas : ClusterRegisters::kNone;
+  }
   // Elements per thread on Path::kWideRegisters (rows that one CTA holds only with more than
   // kResidentElems, for every softmax, cluster_registers() or not) and
   // Path::kWideRegisterCluster (rows that no cluster holds with kResidentElems): a 16-bit
@@ -1071,15 +1084,16 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 // The path, threads per row group and CTA, and CTAs per row, for rows of `vecs` vectors:
 // registers (reg_nv vectors per thread) where a CTA's hold the row, or wide_nv (0: the op
-// has no wide paths) where only those do; else (cluster_registers) the registers of as few
-// CTAs as hold it with reg_nv each, or wide_nv where reg_nv needs more than max_cluster, or
-// (otherwise) their shared memory (shared_nv per thread), up to `max_cluster` CTAs (0:
-// none), else streamed. large_threads > 0 (vector rows) is the size of the larger CTAs some
-// rows take: with large_registers (Op::kLargeCtas), rows that one such CTA holds in registers
-// (wide_nv where the op has it) take one before any cluster, and register clusters take such
-// CTAs where those of kMaxThreads would number at least large_cluster_min
-// (Op::kLargeClusterMin) and hold the row without the wide path; shared-path rows take them
-// where more CTAs of kMaxThreads than max_cluster (> 1) would be needed.
+// has no wide paths) where only those do; else (as cluster_registers says) the registers of
+// as few CTAs as hold it with reg_nv each, or wide_nv where reg_nv needs more than
+// max_cluster, or (otherwise) their shared memory (shared_nv per thread), up to
+// `max_cluster` CTAs (0: none), else streamed. large_threads > 0 (vector rows) is the size of
+// the larger CTAs some rows take: with large_registers (Op::kLargeCtas), rows that one such
+// CTA holds in registers (wide_nv where the op has it) take one before any cluster, and
+// register clusters take such CTAs where those of kMaxThreads would number at least
+// large_cluster_min (Op::kLargeClusterMin) and hold the row without the wide path;
+// shared-path rows take them where more CTAs of kMaxThreads than max_cluster (> 1) would be
+// needed.
 struct Shape {
   int threads = 0;  // CTA size
   int tpr = 0;      // threads per row (a divisor of threads; on a cluster, the CTA's share)
@@ -1088,8 +1102,8 @@ struct Shape {
 };
 
 Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_cluster,
-                 bool row_per_cta, bool cluster_registers, int large_threads, bool large_registers,
-                 int large_cluster_min) {
+                 bool row_per_cta, ClusterRegisters cluster_registers, int large_threads,
+                 bool large_registers, int large_cluster_min) {
   Shape s;
   if (vecs <= int64_t{kWarpSize} * reg_nv) {
     // The fewest lanes that hold the row: more bytes in flight per thread, fewer shuffles.
@@ -1121,22 +1135,29 @@ Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, int max_c
       return s;
     }
   }
-  int64_t ctas = ceil_div(vecs, int64_t{kMaxThreads} * (cluster_registers ? reg_nv : shared_nv));
-  s.path = cluster_registers ? Path::kRegisterCluster : Path::kShared;
-  if (cluster_registers && large_registers && large_threads > 0 && ctas >= large_cluster_min &&
-      (ctas <= max_cluster || !wide)) {
-    ctas = ceil_div(vecs, int64_t{large_threads} * reg_nv);
-    s.threads = s.tpr = large_threads;
-  }
-  // Only where clusters run: there such rows take clusters of 9-16 large CTAs, as measured and
-  // tested. Without clusters some would take one large CTA on this path, a case never run.
-  if (!cluster_registers && large_threads > 0 && max_cluster > 1 && ctas > max_cluster) {
-    ctas = ceil_div(vecs, int64_t{large_threads} * shared_nv);
-    s.threads = s.tpr = large_threads;
-  }
-  if (cluster_registers && wide && ctas > max_cluster) {
-    ctas = ceil_div(vecs, int64_t{s.threads} * wide_nv);
-    s.path = Path::kWideRegisterCluster;
+  int64_t ctas = ceil_div(vecs, int64_t{kMaxThreads} * reg_nv);
+  const bool large_cluster = large_registers && large_threads > 0 &&
+                             ctas >= large_cluster_min && (ctas <= max_cluster || !wide);
+  if (cluster_registers == ClusterRegisters::kAll ||
+      (cluster_registers == ClusterRegisters::kLargeCtas && large_cluster)) {
+    s.path = Path::kRegisterCluster;
+    if (large_cluster) {
+      ctas = ceil_div(vecs, int64_t{large_threads} * reg_nv);
+      s.threads = s.tpr = large_threads;
+    } else if (wide && ctas > max_cluster) {
+      ctas = ceil_div(vecs, int64_t{s.threads} * wide_nv);
+      s.path = Path::kWideRegisterCluster;
+    }
+  } else {
+    ctas = ceil_div(vecs, int64_t{kMaxThreads} * shared_nv);
+    s.path = Path::kShared;
+    // Only where clusters run: there such rows take clusters of 9-16 large CTAs, as measured
+    // and tested. Without clusters some would take one large CTA on this path, a case never
+    // run.
+    if (large_threads > 0 && max_cluster > 1 && ctas > max_cluster) {
+      ctas = ceil_div(vecs, int64_t{large_threads} * shared_nv);
+      s.threads = s.tpr = large_threads;
+    }
   }
   if (ctas <= max_cluster) {
     s.cluster = static_cast<int>(ctas);
@@ -1208,27 +1229,34 @@ struct Launch {
 // grids, softmax_ on cluster registers at 16384 0.866 -> 0.856): each CTA's setup (the
 // column cache, its scratch row of the parameter gradients) is paid once per CTA, so the more
 // often the larger the grid. (The forward sizes its grid by rows_per_unit, rowwise.cuh.)
-// 0: a CTA per row group, none striding, for softmax's register rows (its 16-bit rows of
-// more than a warp one to a CTA, see one_row_per_cta) and softmax_'s wide 16-bit rows
-// (log_softmax_'s, which `cluster_registers` tells apart, see SoftmaxBackwardOp, take two
-// grids): the next row's prefetch then has nothing to hide that the hardware's next CTA
-// does not. H100, 2^26 elements, backward, ratio to clone-equivalent bandwidth, striding -> a
-// CTA per row group, two sweeps each: fp32 softmax_ at N = 256-1024 / 2048-8192 0.94 / 0.95
-// -> 0.99, fp32 log_softmax_ 0.92 / 0.93 -> 0.99 / 0.98; 16-bit softmax_ at 256-1024 0.91 ->
-// 0.96-0.97, log_softmax_ 0.88-0.89 -> 0.90;
+// 0: a CTA per row group, none striding, for softmax's register rows (its 16-bit rows of more
+// than a warp one to a CTA, see one_row_per_cta) and softmax_'s wide 16-bit rows, and
+// log_softmax_'s on CTAs of kMaxThreads where its exps are cheap (its others take two grids;
+// `cluster_registers` tells them apart, see SoftmaxBackwardOp): the next row's prefetch then
+// has nothing to hide that the hardware's next CTA does not. H100, 2^26 elements, backward,
+// ratio to clone-equivalent bandwidth, striding -> a CTA per row group, two sweeps each: fp32
+// softmax_ at N = 256-1024 / 2048-8192 0.94 / 0.95 -> 0.99, fp32 log_softmax_ 0.92 / 0.93 ->
+// 0.99 / 0.98; 16-bit softmax_ at 256-1024 0.91 -> 0.96-0.97, log_softmax_ 0.88-0.89 -> 0.90;
 // wide rows (16384) of bf16 / fp16 softmax_ 0.905 / 0.915 -> 0.94 / 0.95. bf16 log_softmax_'s
-// wide rows: 0.888 / 0.884 striding, 0.918 / 0.918 with two grids, 0.901 / 0.905 with four,
-// 0.86 with a CTA per row group. Not taken: 16-bit rows of a CTA while they shared CTAs of
-// kMaxThreads (N = 2048-8192, 0.94 -> 0.86 with a CTA per row group, 0.94 / 0.92 with two
-// grids; log_softmax_ 0.93 -> 0.79 / 0.92; one row per CTA took them, see one_row_per_cta),
-// fp32 clusters (16384, 0.88 -> 0.81; two or four grids: -1% to +1% for softmax_, -1% to -4%
-// for log_softmax_ at 16384-65536) and 16-bit softmax_'s (two or four grids: 0.85 -> 0.84 /
-// 0.82 at 32768).
+// wide rows, with exps of five instructions: 0.888 / 0.884 striding, 0.918 / 0.918 with two
+// grids, 0.901 / 0.905 with four, 0.86 with a CTA per row group; with with_exp's two (stop 53,
+// bf16 and fp16 alike), two grids -> a CTA per row group: 0.924 -> 0.959 at 16384, but 0.93 ->
+// 0.91 at 32768 (one large CTA per row). Not taken: 16-bit rows of a CTA while they shared
+// CTAs of kMaxThreads (N = 2048-8192, 0.94 -> 0.86 with a CTA per row group, 0.94 / 0.92 with
+// two grids; log_softmax_ 0.93 -> 0.79 / 0.92; one row per CTA took them, see
+// one_row_per_cta), fp32 clusters (16384, 0.88 -> 0.81; two or four grids: -1% to +1% for
+// softmax_, -1% to -4% for log_softmax_ at 16384-65536) and 16-bit softmax_'s (two or four
+// grids: 0.85 -> 0.84 / 0.82 at 32768).
 template <class Op>
 constexpr int64_t grid_waves(const Shape& shape, bool params, bool cache,
-                             bool cluster_registers) {
+                             ClusterRegisters cluster_registers) {
   if (always_cta_per_group<Op>(shape.path)) return 0;
-  if (!Op::kHasParams && shape.path == Path::kWideRegisters) return cluster_registers ? 0 : 2;
+  if (!Op::kHasParams && shape.path == Path::kWideRegisters) {
+    const bool per_group = cluster_registers == ClusterRegisters::kAll ||
+                           (cluster_registers == ClusterRegisters::kLargeCtas &&
+                            shape.threads == kMaxThreads);
+    return per_group ? 0 : 2;
+  }
   return shape.path == Path::kShared && !params && !cache && shape.cluster <= 8 ? 4 : 1;
 }
 
@@ -1240,7 +1268,8 @@ constexpr int64_t grid_waves(const Shape& shape, bool params, bool cache,
 // scratch stays within its bound.
 template <class Op, typename T>
 Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int device,
-                   const DeviceInfo& dev, bool cluster_registers = false) {
+                   const DeviceInfo& dev,
+                   ClusterRegisters cluster_registers = ClusterRegisters::kNone) {
   const int sm_count = dev.sm_count;
   Launch l;
   const int64_t n = L.y.n;
