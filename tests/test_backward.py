@@ -267,15 +267,16 @@ def test_norm_weight_zero_gives_finite_gradients():
 # Vector rows longer than a CTA's registers hold (8192 elements for softmax, 4096 for the
 # norms) are held by a cluster of CTAs on sm_90 and streamed elsewhere. Softmax's register
 # rows first take a CTA of up to 512 threads (16384 fp32 / 32768 16-bit elements), as do the
-# 16-bit norms' rows of up to 8192, and softmax's register clusters CTAs of 512 where those of
-# 256 would number enough (kernels/rowwise_backward.cu, kLargeCtaThreads); the norms, and
-# 16-bit log_softmax but on those clusters of large CTAs without a mask tensor (131072), stage
-# a CTA's share in shared memory (8192 elements for log_softmax, 4096 for the norms). Shared-path rows that clusters of 16 such CTAs do not hold take clusters of
-# CTAs of 512 (131072 for the norms, 131080 for 16-bit log_softmax; the norms stream
-# 131080). Widths on both sides of each limit, with full and with mostly idle last CTAs
-# (6144, 12288 and 20480 fill part of a CTA of 512), clusters of 2 to 16 CTAs, and rows past
-# what clusters of 16 hold; at least as many rows as fit on an H100 at once (264 CTAs), so
-# each CTA strides over rows through its staging buffers.
+# 16-bit norms' rows of up to 8192, and softmax's register clusters CTAs of 512 where those
+# of 256 would number enough (kernels/rowwise_backward.cu, kLargeCtaThreads); the norms, and
+# 16-bit log_softmax but on those clusters of large CTAs without a mask tensor (131072),
+# stage a CTA's share in shared memory (8192 elements for log_softmax, 4096 for the norms).
+# Shared-path rows that clusters of 16 such CTAs do not hold take clusters of CTAs of 512
+# (131072 for the norms, 131080 for 16-bit log_softmax; the norms stream 131080). Widths on
+# both sides of each limit, with full and with mostly idle last CTAs (6144, 12288 and 20480
+# fill part of a CTA of 512), clusters of 2 to 16 CTAs, and rows past what clusters of 16
+# hold; at least as many rows as fit on an H100 at once (264 CTAs), so each CTA strides over
+# rows through its staging buffers.
 CLUSTER_WIDTHS = (4100, 6144, 8192, 12288, 16448, 20480, 32768, 36864, 61440, 65536, 131072,
                   131080)
 CLUSTER_OPS = ("softmax", "log_softmax_causal", "layer_norm", "rms_norm", "rms_norm_no_weight")
