@@ -55,6 +55,17 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 }
 constexpr float kLog2e = 1.4426950216293334961f;
 
+// Calls f with an exp that has exp_for<T>'s bits (T 16-bit: __expf's) for every argument x
+// the caller passes it: one MUFU.EX2 each (ex2_ftz(x * kLog2e)) where `no_subnormals` says
+// that every such x has x * kLog2e >= -126, else exp_for<T> itself. x * kLog2e rounds
+// monotonically in x, so the smallest x tells.
+template <typename T, class F>
+__device__ __forceinline__ decltype(auto) with_exp_for(bool no_subnormals, F f) {
+  static_assert(sizeof(T) == 2, "exp_for<T> is __expf");
+  if (no_subnormals) return f([](float x) { return ex2_ftz(x * kLog2e); });
+  return f([](float x) { return exp_for<T>(x); });
+}
+
 // 1 / x on the special function unit: one MUFU.RCP, within 1 ulp, subnormal x flushed to zero
 // (1 / x is inf there). __frcp_rn adds a Newton step and a slow-path branch to round
 // correctly: for kernels whose outputs are 16-bit, a per-element cost with no visible effect.

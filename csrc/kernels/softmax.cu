@@ -128,16 +128,15 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
     const float m = fold<NV * VEC>([&](int i) { return z[i / VEC][i % VEC]; }, Max{});
     const float ms = MaxSum::shift(m);
     if constexpr (sizeof(T) == 2 && VEC > 1) {
-      // __expf (exp_for<T>) pays three instructions per element to return subnormal exps
-      // (see ex2_ftz), which only a chunk with some (z - ms) * kLog2e below -126 has. That
-      // product rounds monotonically in z, so the chunk's smallest z tells, for one min per
-      // element. Either way every exp has the bits of __expf(z - ms). Not on the scalar path
-      // (VEC 1), where the second loop cost up to 50 registers with a mask.
-      // Masked elements (-inf) give exactly 0 on both paths, so with a mask the min skips
-      // them: a mask leaves -inf in nearly every chunk, which would otherwise always take
-      // the __expf loop (without one, -inf is only the padding of a row's last chunk).
-      // v + v * 0 is v, but NaN for -inf, and fminf skips NaN: one FMA per element (a
-      // compare and select made the bf16 bool-mask kernel spill on sm_90).
+      // __expf (exp_for<T>) pays three instructions per element to return subnormal exps (see
+      // ex2_ftz), which only a chunk with some (z - ms) * kLog2e below -126 has: the chunk's
+      // smallest z tells (with_exp_for), for one min per element. Not on the scalar path (VEC 1),
+      // where the second loop cost up to 50 registers with a mask. Masked elements (-inf) give
+      // exactly 0 on both paths, so with a mask the min skips them: a mask leaves -inf in nearly
+      // every chunk, which would otherwise always take the __expf loop (without one, -inf is only
+      // the padding of a row's last chunk). v + v * 0 is v, but NaN for -inf, and fminf skips
+      // NaN: one FMA per element (a compare and select made the bf16 bool-mask kernel spill on
+      // sm_90).
       const float lo = fold<NV * VEC>(
           [&](int i) {
             const float v = z[i / VEC][i % VEC];
@@ -145,8 +144,8 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
           },
           Min{});
       // Chosen for the whole warp: the bits are the same either way.
-      if (warp_all((lo - ms) * kLog2e >= -126.f))
-        return {m, exp_sum(z, ms, [](float d) { return ex2_ftz(d * kLog2e); })};
+      return {m, with_exp_for<T>(warp_all((lo - ms) * kLog2e >= -126.f),
+                                 [&](auto exp) { return exp_sum(z, ms, exp); })};
     }
     return {m, exp_sum(z, ms, [](float d) { return exp_for<T>(d); })};
   }
