@@ -268,16 +268,15 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
   // 0.94-0.95 -> 0.97 at 16384, 0.83 -> 0.85 at 65536 (causal at 65536 0.827 -> 0.823).
   static constexpr bool kLoopsApart = sizeof(T) == 2 && kMask == MaskKind::kNone;
 
-  // Calls f with log_softmax's exp for a vector y (with_exp_for): a 16-bit y's __expf pays three
-  // instructions per element to return subnormal exps (see ex2_ftz), which only a vector with
-  // some y * kLog2e below -126 has, as its smallest y tells, for one min per element (as the
-  // forward's SoftmaxOp::local does per chunk). Not with a mask tensor: skipping its -inf costs
-  // an FMA per element, and the fp16 kernels of rows that no cluster holds otherwise spilled
-  // 12-16 bytes. f is called once, so that each exp is computed where it is used.
+  // Calls f with log_softmax's exp for a vector y: with_exp_for, from the vector's smallest y
+  // (as the forward's SoftmaxOp::local does per chunk). Not with a mask tensor: skipping its
+  // -inf costs an FMA per element, and the fp16 kernels of rows that no cluster holds
+  // otherwise spilled 12-16 bytes. f is called once, so that each exp is computed where it is
+  // used.
   template <int VEC, class F>
   __device__ __forceinline__ void with_exp(const float (&y)[VEC], F f) const {
     static_assert(kLoopsApart, "with_exp serves the loops apart only");
-    with_exp_for<T>(fold<VEC>([&](int j) { return y[j]; }, Min{}) * kLog2e >= -126.f, f);
+    with_exp_for<T>(no_subnormal_exps(fold<VEC>([&](int j) { return y[j]; }, Min{})), f);
   }
 
   template <int VEC>

@@ -128,9 +128,7 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
     const float m = fold<NV * VEC>([&](int i) { return z[i / VEC][i % VEC]; }, Max{});
     const float ms = MaxSum::shift(m);
     if constexpr (sizeof(T) == 2 && VEC > 1) {
-      // __expf (exp_for<T>) pays three instructions per element to return subnormal exps (see
-      // ex2_ftz), which only a chunk with some (z - ms) * kLog2e below -126 has: the chunk's
-      // smallest z tells (with_exp_for), for one min per element. Not on the scalar path (VEC 1),
+      // The exps by with_exp_for, from the chunk's smallest z. Not on the scalar path (VEC 1),
       // where the second loop cost up to 50 registers with a mask. Masked elements (-inf) give
       // exactly 0 on both paths, so with a mask the min skips them: a mask leaves -inf in nearly
       // every chunk, which would otherwise always take the __expf loop (without one, -inf is only
@@ -144,7 +142,7 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
           },
           Min{});
       // Chosen for the whole warp: the bits are the same either way.
-      return {m, with_exp_for<T>(warp_all((lo - ms) * kLog2e >= -126.f),
+      return {m, with_exp_for<T>(warp_all(no_subnormal_exps(lo - ms)),
                                  [&](auto exp) { return exp_sum(z, ms, exp); })};
     }
     return {m, exp_sum(z, ms, [](float d) { return exp_for<T>(d); })};
