@@ -93,7 +93,12 @@ struct CountSum {
 // pivot is an outlier: an fp32 row of 62 with x[0] = -2.96 and mean 0.33 had its mean off
 // by 2.6e-7 and its weight gradient by 6x PyTorch's error (H100). Sums add exactly as a
 // TwoSum, so the mean is then rounded once, in finish(), at its own magnitude (emulated in
-// float32 on that row: 1e-9). m2's merge needs the means only roughly (delta^2).
+// float32 on that row: 1e-9). m2's merges take each part's mean from hi alone: an error e in
+// the difference delta of two means adds about 2 delta e n_a n_b / n to m2, first order in e,
+// so hi must hold the part's sum to about its own rounding, which it does as long as local()
+// sums x - pivot (stop 55 summed x itself, with the rounding at |x| left in hi and its
+// correction in lo: an fp32 row of 50 at offset 1000 got rstd 8.5e-6 off, 2.2x PyTorch's
+// error; see benchmarks/results/rowwise_cluster_profile.md).
 struct PivotSums {
   float n, hi, lo, m2;
 
@@ -117,8 +122,9 @@ struct PivotSums {
 
   // The threads' chunks in two butterflies, as MeanM2's: the count and the exact sum (no
   // division, no branch), then m2 about the mean those give, each chunk adding its m2 and
-  // n * (its mean - that mean)^2. That mean need only be rough, as in combine(): its
-  // error e adds n e^2 to m2. H100, forward, ratio to a copy, against five combine()s:
+  // n * (its mean - that mean)^2. The row's mean need only be rough: its error e adds n e^2
+  // to m2 (the chunks' deviations from the exact mean sum to 0); each chunk's own mean must
+  // be as good as in combine(). H100, forward, ratio to a copy, against five combine()s:
   // 0.953 -> 0.965 at N = 8192, +0.3-0.6% at 16384-262144 (0.804 -> 0.810), unchanged below.
   static __device__ __forceinline__ PivotSums allreduce_chunks(const PivotSums& s, int width) {
     const CountSum t = warp_allreduce(CountSum{s.n, s.hi, s.lo}, width);
