@@ -797,6 +797,18 @@ template <class Op, typename T, int VEC, int NV, RowPath kPath,
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
                            int sm_count, cudaStream_t stream) {
   constexpr int kHeldNV = NV * held_steps(kPath);  // vectors a thread holds of a row
+  // A row on one CTA caches at most one param: with more to cache, none (a CTA per row, see
+  // rows_per_unit, each thread reading its params from L1 in the write loop). H100, LayerNorm
+  // at N = 16384, forward, ratio to a copy, as much of both params cached as fits (a
+  // persistent grid) / the weight only / none: fp32 0.912-0.915 / 0.894-0.897 / 0.945, bf16
+  // 0.929-0.934 / 0.880-0.881 / 0.957-0.959, fp16 0.929-0.931 / 0.888-0.890 / 0.959-0.969.
+  // (RMSNorm's one param stays cached: bf16 at N = 16384 / 32768 (stashed) 0.984-0.991 /
+  // 0.964-0.968 cached, 0.976-0.978 / 0.935-0.936 not.)
+  if constexpr (kCached > kHeldNV) {
+    if (cluster == 1)
+      return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,
+                                                      cluster, device, sm_count, stream);
+  }
   if constexpr (kCached > 0) {
     const int units = params_to_cache(op.params) * kHeldNV >= kCached
                           ? resident_units<Op, T, VEC, NV, kPath, kCached>(device, kMaxThreads,
