@@ -166,13 +166,15 @@ def test_long_row_paths(device, dtype, n):
     check_rms_norm(device, dtype, (3,), (n,), "contiguous", 52, True, None)
 
 
-@pytest.mark.parametrize("n", [2048, 8192, 40960, 262144])
+@pytest.mark.parametrize("n", [2048, 8192, 16384, 40960, 262144])
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_params_over_many_rows(device, dtype, n):
     """Rows that a CTA or a cluster of CTAs holds, more of them than run at once: on CUDA a
     thread then reads the weight and bias of its columns once (into shared memory, those up
-    to the last one given) and applies them to every row it handles."""
+    to the last one given) and applies them to every row it handles; on rows of one CTA
+    (N = 16384) it caches a weight given alone, and reads weight and bias from L1 in every
+    row."""
     rows = 2 if device == "cpu" else (1 << 23) // n
     for seed, (with_weight, with_bias) in enumerate(
             [(True, True), (True, False), (False, True), (False, False)]):

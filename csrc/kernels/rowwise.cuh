@@ -797,15 +797,15 @@ template <class Op, typename T, int VEC, int NV, RowPath kPath,
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
                            int sm_count, cudaStream_t stream) {
   constexpr int kHeldNV = NV * held_steps(kPath);  // vectors a thread holds of a row
-  // A row on one CTA caches at most one param: with more to cache, none (a CTA per row, see
-  // rows_per_unit, each thread reading its params from L1 in the write loop). H100, LayerNorm
-  // at N = 16384, forward, ratio to a copy, as much of both params cached as fits (a
-  // persistent grid) / the weight only / none: fp32 0.912-0.915 / 0.894-0.897 / 0.945, bf16
-  // 0.929-0.934 / 0.880-0.881 / 0.957-0.959, fp16 0.929-0.931 / 0.888-0.890 / 0.959-0.969.
-  // (RMSNorm's one param stays cached: bf16 at N = 16384 / 32768 (stashed) 0.984-0.991 /
-  // 0.964-0.968 cached, 0.976-0.978 / 0.935-0.936 not.)
+  // A row on one CTA caches its one param, but none of two (a CTA per row either way, see
+  // rows_per_unit; uncached, each thread reads its params from L1 in the write loop). H100,
+  // LayerNorm at N = 16384, forward, ratio to a copy, as much of both params cached as fits
+  // (a persistent grid) / the weight only / none: fp32 0.912-0.915 / 0.894-0.897 / 0.945,
+  // bf16 0.929-0.934 / 0.880-0.881 / 0.957-0.959, fp16 0.929-0.931 / 0.888-0.890 /
+  // 0.959-0.969. RMSNorm's weight stays cached: bf16 at N = 16384 / 32768 (stashed)
+  // 0.984-0.991 / 0.964-0.968 cached, 0.976-0.978 / 0.935-0.936 not.
   if constexpr (kCached > kHeldNV) {
-    if (cluster == 1)
+    if (cluster == 1 && params_to_cache(op.params) > 1)
       return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,
                                                       cluster, device, sm_count, stream);
   }
@@ -898,9 +898,9 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   constexpr int kCtaRowNV = Op::template kCtaRowRegs<T> / VEC;
   // Rows that would take all kMaxThreads threads at kCtaNV vectors each are what the cluster
   // path's CTA holds: ops with params leave them to that path (a cluster of one CTA), which
-  // caches the params in shared memory rather than read them from L1 in every row. H100,
-  // 16-bit LayerNorm at N = 16384 (the only such rows), forward, ratio to a copy:
-  // 0.889-0.909 -> 0.920-0.923.
+  // runs them faster. H100, 16-bit LayerNorm at N = 16384 (the only such rows), forward,
+  // ratio to a copy, this path / the cluster path: 0.889-0.909 / 0.920-0.923 when the latter
+  // cached the params, 0.895-0.910 / 0.951-0.959 with both reading them from L1 (stop 56).
   constexpr int kCtaRowThreads =
       Op::kParams > 0 && kCtaRowNV == kCtaNV ? kMaxThreads - kWarpSize : kMaxThreads;
   if (vecs <= int64_t{kCtaRowThreads} * kCtaRowNV) {  // a CTA per row, as many threads as it takes
