@@ -173,8 +173,8 @@ def test_params_over_many_rows(device, dtype, n):
     """Rows that a CTA or a cluster of CTAs holds, more of them than run at once: on CUDA a
     thread then reads the weight and bias of its columns once (into shared memory, those up
     to the last one given) and applies them to every row it handles; on rows of one CTA
-    (N = 16384) it caches a weight given alone, and reads weight and bias from L1 in every
-    row."""
+    (N = 16384) it caches a weight given alone, and reads the params from L1 in every row
+    when a bias is given."""
     rows = 2 if device == "cpu" else (1 << 23) // n
     for seed, (with_weight, with_bias) in enumerate(
             [(True, True), (True, False), (False, True), (False, False)]):

@@ -787,8 +787,8 @@ constexpr int fewer_cached(int cached, int nv) {
 // all but a quarter fits beside the weight on two CTAs per SM, where only the weight (whole params)
 // did: N = 65536 / 131072 / 262144 went from 0.83 / 0.70 / 0.65 to 0.86 / 0.84 / 0.79x of a copy
 // (H100; the bias's global loads held up the write loop as the weight's did RMSNorm's, see
-// cache_param). Shorter rows do not cache (but rows that fill a CTA come here, see
-// launch_rows): their params stay in L1. (With them cached, each CTA striding over the rows
+// cache_param). Shorter rows do not cache (rows that fill a CTA come here, see launch_rows, but
+// cache no more than one param: below): their params stay in L1. (With them cached, each CTA striding over the rows
 // as all that cached did then, fp32 LayerNorm at N = 256-1024 ran 2-3% slower; at N =
 // 2048-4096 a CTA per row reading its params from L1 ran at 0.97-0.99x of a copy (fp32) and
 // 0.96-0.97x (bf16), cached 0.89x and 0.91-0.93x.) See rows_per_unit for the grid.
@@ -797,13 +797,13 @@ template <class Op, typename T, int VEC, int NV, RowPath kPath,
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
                            int sm_count, cudaStream_t stream) {
   constexpr int kHeldNV = NV * held_steps(kPath);  // vectors a thread holds of a row
-  // A row on one CTA caches its one param, but none of two (a CTA per row either way, see
-  // rows_per_unit; uncached, each thread reads its params from L1 in the write loop). H100,
-  // LayerNorm at N = 16384, forward, ratio to a copy, as much of both params cached as fits
-  // (a persistent grid) / the weight only / none: fp32 0.912-0.915 / 0.894-0.897 / 0.945,
-  // bf16 0.929-0.934 / 0.880-0.881 / 0.957-0.959, fp16 0.929-0.931 / 0.888-0.890 /
-  // 0.959-0.969. RMSNorm's weight stays cached: bf16 at N = 16384 / 32768 (stashed)
-  // 0.984-0.991 / 0.964-0.968 cached, 0.976-0.978 / 0.935-0.936 not.
+  // A row on one CTA caches nothing when the op's second param is given (LayerNorm's bias), the
+  // first alone otherwise (a CTA per row either way, see rows_per_unit; uncached, each thread
+  // reads its params from L1 in the write loop). H100, LayerNorm at N = 16384, forward, ratio
+  // to a copy, as much of both params cached as fits (a persistent grid) / the weight only /
+  // none: fp32 0.912-0.915 / 0.894-0.897 / 0.945, bf16 0.929-0.934 / 0.880-0.881 / 0.957-0.959,
+  // fp16 0.929-0.931 / 0.888-0.890 / 0.959-0.969. RMSNorm's weight stays cached: bf16 at N =
+  // 16384 / 32768 (stashed) 0.984-0.991 / 0.964-0.968 cached, 0.976-0.978 / 0.935-0.936 not.
   if constexpr (kCached > kHeldNV) {
     if (cluster == 1 && params_to_cache(op.params) > 1)
       return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,
