@@ -780,18 +780,19 @@ constexpr int fewer_cached(int cached, int nv) {
 }
 
 // launch_row_kernel() for rows that belong to a cluster (of one CTA or more), with the first
-// kCached (at most) of each thread's param vectors cached: only params up to the last one given,
-// and as many vectors as fit in shared memory without fewer CTAs resident than with none (with
-// fewer, less of the rows is in flight: H100, fp32 LayerNorm at N = 262144 with weight and bias
-// cached ran one CTA per SM and at 0.39x of a copy, 0.59x with neither). Of fp32 LayerNorm's bias
-// all but a quarter fits beside the weight on two CTAs per SM, where only the weight (whole params)
-// did: N = 65536 / 131072 / 262144 went from 0.83 / 0.70 / 0.65 to 0.86 / 0.84 / 0.79x of a copy
-// (H100; the bias's global loads held up the write loop as the weight's did RMSNorm's, see
-// cache_param). Shorter rows do not cache (rows that fill a CTA come here, see launch_rows, but
-// cache no more than one param: below): their params stay in L1. (With them cached, each CTA striding over the rows
-// as all that cached did then, fp32 LayerNorm at N = 256-1024 ran 2-3% slower; at N =
-// 2048-4096 a CTA per row reading its params from L1 ran at 0.97-0.99x of a copy (fp32) and
-// 0.96-0.97x (bf16), cached 0.89x and 0.91-0.93x.) See rows_per_unit for the grid.
+// kCached (at most) of each thread's param vectors cached: only params up to the last one
+// given, and as many vectors as fit in shared memory without fewer CTAs resident than with none
+// (with fewer, less of the rows is in flight: H100, fp32 LayerNorm at N = 262144 with weight
+// and bias cached ran one CTA per SM and at 0.39x of a copy, 0.59x with neither). Of fp32
+// LayerNorm's bias all but a quarter fits beside the weight on two CTAs per SM, where only the
+// weight (whole params) did: N = 65536 / 131072 / 262144 went from 0.83 / 0.70 / 0.65 to 0.86 /
+// 0.84 / 0.79x of a copy (H100; the bias's global loads held up the write loop as the weight's
+// did RMSNorm's, see cache_param). Shorter rows do not cache (rows that fill a CTA come here,
+// see launch_rows, but cache no more than one param: below): their params stay in L1. (With
+// them cached, each CTA striding over the rows as all that cached did then, fp32 LayerNorm at
+// N = 256-1024 ran 2-3% slower; at N = 2048-4096 a CTA per row reading its params from L1 ran at
+// 0.97-0.99x of a copy (fp32) and 0.96-0.97x (bf16), cached 0.89x and 0.91-0.93x.) See
+// rows_per_unit for the grid.
 template <class Op, typename T, int VEC, int NV, RowPath kPath,
           int kCached = Op::kParams * NV * held_steps(kPath)>
 cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int cluster, int device,
@@ -804,11 +805,9 @@ cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int clus
   // none: fp32 0.912-0.915 / 0.894-0.897 / 0.945, bf16 0.929-0.934 / 0.880-0.881 / 0.957-0.959,
   // fp16 0.929-0.931 / 0.888-0.890 / 0.959-0.969. RMSNorm's weight stays cached: bf16 at N =
   // 16384 / 32768 (stashed) 0.984-0.991 / 0.964-0.968 cached, 0.976-0.978 / 0.935-0.936 not.
-  if constexpr (kCached > kHeldNV) {
-    if (cluster == 1 && params_to_cache(op.params) > 1)
-      return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,
-                                                      cluster, device, sm_count, stream);
-  }
+  if (cluster == 1 && params_to_cache(op.params) > 1)
+    return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,
+                                                    cluster, device, sm_count, stream);
   if constexpr (kCached > 0) {
     const int units = params_to_cache(op.params) * kHeldNV >= kCached
                           ? resident_units<Op, T, VEC, NV, kPath, kCached>(device, kMaxThreads,
