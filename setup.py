@@ -18,14 +18,16 @@ DEFAULT_PTX = "-gencode=arch=compute_90,code=compute_90"
 
 
 def sources(*patterns):
-    return sorted(p for pat in patterns for p in glob.glob(os.path.join("csrc", pat)))
+    return sorted(
+        p for pat in patterns for p in glob.glob(os.path.join("csrc", pat), recursive=True)
+    )
 
 
 def make_extension():
     # No -std flag: torch.utils.cpp_extension passes the standard this torch was built with
     # (C++20 for recent releases); forcing another one breaks the ABI of torch's headers.
     cxx_flags = ["-O3"]
-    common = sources("registration.cpp", "common/*.cpp", "cpu/*.cpp")
+    common = sources("registration.cpp", "common/**/*.cpp", "cpu/**/*.cpp")
     with_cuda = torch_has_cuda() and cpp_extension.CUDA_HOME is not None
     if os.environ.get("MTI_FORCE_CPU", "0") == "1":
         with_cuda = False
@@ -49,7 +51,7 @@ def make_extension():
     ]
     return cpp_extension.CUDAExtension(
         "make_torch_inplace._C",
-        common + sources("cuda/*.cu", "kernels/*.cu"),
+        common + sources("cuda/**/*.cu", "kernels/**/*.cu"),
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=[("MTI_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},

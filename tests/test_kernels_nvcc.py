@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = sorted((ROOT / "csrc" / "kernels").glob("*.cu"))
+KERNELS = sorted((ROOT / "csrc" / "kernels").rglob("*.cu"))
 NVCC = shutil.which("nvcc") or (
     os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if "CUDA_HOME" in os.environ else None)
 
@@ -65,7 +65,7 @@ def spills(ptxas_log: str) -> list[str]:
 
 # One nvcc call per kernel file with every architecture (CI has 2 cores); before any kernel
 # file exists, one skipped placeholder says so.
-KERNEL_PARAMS = [pytest.param(k, id=k.name) for k in KERNELS] or [
+KERNEL_PARAMS = [pytest.param(k, id=str(k.relative_to(ROOT / "csrc" / "kernels"))) for k in KERNELS] or [
     pytest.param(None, id="none", marks=pytest.mark.skip(reason="no csrc/kernels/*.cu yet"))]
 
 @pytest.mark.parametrize("source", KERNEL_PARAMS)
@@ -90,7 +90,7 @@ def test_no_register_spills(source):
 # against the headers of the installed torch, which a CPU wheel ships too, with the macros and
 # flags torch.utils.cpp_extension adds. tests/cuda_stubs/ stands in for the headers of CUDA
 # libraries and of torch's CMake build that those headers include and a CPU machine may lack.
-HOST_SOURCES = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
+HOST_SOURCES = sorted((ROOT / "csrc" / "cuda").rglob("*.cu"))
 CUDA_STUBS = ROOT / "tests" / "cuda_stubs"
 
 

@@ -13,6 +13,8 @@
 #include <mutex>
 #include <utility>
 
+#include "kernels/tuning.h"
+
 namespace mti {
 
 // Conversions between the storage types and the fp32 the kernels accumulate in.
@@ -187,7 +189,13 @@ struct DeviceInfo {
   int smem_reserved = 0;        // bytes the system reserves per CTA
   bool coop = false;            // cooperative launches
   bool cluster_launch = false;  // thread-block clusters (sm_90+)
+  int mem_gbps = 0;             // peak memory bandwidth, GB/s (2 transfers per memory clock)
 };
+
+// The GPU half of a tuning table's key (kernels/tuning.h), with the call's half.
+inline TuningKey tuning_key(const DeviceInfo& d, int elem_bytes, int64_t n) {
+  return TuningKey{d.cc, d.sm_count, d.mem_gbps, d.smem_optin, elem_bytes, n};
+}
 
 // The current device (*device) and its DeviceInfo, queried once per device (its attribute
 // queries took a good part of a small call's host time): queried where not yet known,
@@ -204,7 +212,7 @@ inline cudaError_t current_device(int* device, DeviceInfo* info) {
     *info = known[dev];
     return cudaSuccess;
   }
-  int major = 0, minor = 0, coop = 0, clusters = 0;
+  int major = 0, minor = 0, coop = 0, clusters = 0, mem_khz = 0, bus_bits = 0;
   const std::pair<int*, cudaDeviceAttr> attrs[] = {
       {&major, cudaDevAttrComputeCapabilityMajor},
       {&minor, cudaDevAttrComputeCapabilityMinor},
@@ -215,6 +223,8 @@ inline cudaError_t current_device(int* device, DeviceInfo* info) {
       {&info->smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock},
       {&coop, cudaDevAttrCooperativeLaunch},
       {&clusters, cudaDevAttrClusterLaunch},
+      {&mem_khz, cudaDevAttrMemoryClockRate},
+      {&bus_bits, cudaDevAttrGlobalMemoryBusWidth},
   };
   for (const auto& [value, attr] : attrs)
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(value, attr, dev);
@@ -222,6 +232,7 @@ inline cudaError_t current_device(int* device, DeviceInfo* info) {
   info->cc = 10 * major + minor;
   info->coop = coop != 0;
   info->cluster_launch = clusters != 0;
+  info->mem_gbps = static_cast<int>(2 * int64_t{mem_khz} * (bus_bits / 8) / 1000000);
   if (cached) {
     const std::lock_guard<std::mutex> lock(mutex);
     if (!ready[dev].load(std::memory_order_relaxed)) {

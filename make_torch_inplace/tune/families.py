@@ -1,0 +1,5 @@
+"""The tuned parameters of every kernel family, gathered for the tuning command and tests."""
+
+from __future__ import annotations
+
+ALL: list = []
