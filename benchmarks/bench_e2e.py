@@ -15,7 +15,7 @@ The goals printed at the end: eager+convert peak <= 0.5x eager at seq >= 4096 wi
     python benchmarks/bench_e2e.py --quick         # Llama, seq 512 and 1024
     python benchmarks/bench_e2e.py --tiny --device cpu   # code-path check with tiny configs
 
-Writes benchmarks/results/e2e.json, e2e.md, e2e_peak.png, e2e_latency.png.
+Writes benchmarks/results/<gpu>/e2e.json, e2e.md, e2e_peak.png, e2e_latency.png.
 """
 
 from __future__ import annotations

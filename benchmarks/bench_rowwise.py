@@ -15,7 +15,7 @@ gpu_only): every call's kernels are queued before its start event runs, so that 
     python benchmarks/bench_rowwise.py --ops softmax rms_norm --dtypes bfloat16 --no-compile
     python benchmarks/bench_rowwise.py --device cpu --quick --numel-log2 16   # code-path check
 
-Writes benchmarks/results/rowwise.json, rowwise.md, rowwise_forward.png, rowwise_backward.png.
+Writes benchmarks/results/<gpu>/rowwise.json, rowwise.md, rowwise_forward.png, rowwise_backward.png.
 """
 
 from __future__ import annotations
@@ -364,12 +364,8 @@ def tables(records: list[dict]) -> str:
         key = (r["op"], r["variant"], r["dtype"], r["pass"])
         groups.setdefault(key, {}).setdefault(r["N"], {})[r["impl"]] = r
     out = []
-    several_commits = len({r["commit"] for r in records}) > 1  # merged runs
     for (op, variant, dtype, pass_), by_n in groups.items():
         title = op if variant == "plain" else f"{op} ({variant})"
-        if several_commits:
-            commits = {r["commit"] for by_impl in by_n.values() for r in by_impl.values()}
-            title += f" at {', '.join(sorted(commits))}"
         rows = []
         for n, by_impl in sorted(by_n.items()):
             row = {"N": n, "rows": next(iter(by_impl.values()))["M"]}

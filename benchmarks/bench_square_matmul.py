@@ -29,7 +29,7 @@ measurements and checked to be finite after them.
     python benchmarks/bench_square_matmul.py --dtypes bfloat16 --ns 4096 --ms 16384
     python benchmarks/bench_square_matmul.py --device cpu --quick --ms 4 --ns 64  # code paths
 
-Writes benchmarks/results/square_matmul.json, square_matmul.md and square_matmul.png.
+Writes benchmarks/results/<gpu>/square_matmul.json, square_matmul.md and square_matmul.png.
 """
 
 from __future__ import annotations

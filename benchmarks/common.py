@@ -2,7 +2,7 @@
 
 Every benchmark records the same environment fields (env_info), times with the same median
 (time_ms), measures memory the same way (peak_extra_bytes) and writes its results to
-benchmarks/results/<name>.json and .md (or to $MTI_RESULTS_DIR, which scripts/gpu_check.sh sets).
+benchmarks/results/<gpu>/<name>.json and .md (<gpu>: h100, h200, ..., or cpu; or to $MTI_RESULTS_DIR).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import platform
 import statistics
 import subprocess
@@ -349,25 +350,31 @@ def fmt_bytes(nbytes: float) -> str:
 # --------------------------------------------------------------------------- results
 
 
+def device_slug(device: str | None = None) -> str:
+    """The results folder of a device: its GPU model in lower case ("h100", "h200"), or "cpu"."""
+    name = device or env_info()["device"]
+    if name.startswith("CPU"):
+        return "cpu"
+    words = [w for w in re.split(r"[\s-]+", name) if any(ch.isdigit() for ch in w)]
+    return (words[0] if words else name.split()[-1]).lower()
+
+
 def results_dir() -> Path:
-    """benchmarks/results, or $MTI_RESULTS_DIR when set; created on first use."""
-    path = Path(os.environ.get("MTI_RESULTS_DIR", REPO_ROOT / "benchmarks" / "results"))
+    """benchmarks/results/<device_slug()>, or $MTI_RESULTS_DIR when set; created on first use."""
+    default = REPO_ROOT / "benchmarks" / "results" / device_slug()
+    path = Path(os.environ.get("MTI_RESULTS_DIR", default))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def write_results(name: str, records: list[dict], table_md: str) -> tuple[Path, Path]:
-    """Writes <results>/<name>.json (the records) and <results>/<name>.md (the tables)."""
+    """Writes <results>/<name>.json (the records of one sweep) and <results>/<name>.md (its
+    tables), replacing an earlier sweep's."""
     out = results_dir()
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"
     json_path.write_text(json.dumps(records, indent=1) + "\n")
-    # Where they were measured, also when merged from runs at several commits.
-    envs = dict.fromkeys((r["device"], r["torch"], r["commit"]) for r in records)
-    if not envs:
-        env = env_info()
-        envs = {(env["device"], env["torch"], env["commit"]): None}
-    lines = "".join(f"{d}, torch {t}, commit {c}\n" for d, t, c in envs)
-    header = f"# {name}\n\n{lines}\n"
+    env = records[0] if records else env_info()
+    header = f"# {name}\n\n{env['device']}, torch {env['torch']}, commit {env['commit']}\n\n"
     md_path.write_text(header + table_md.rstrip() + "\n")
     return json_path, md_path
 

@@ -8,7 +8,7 @@ that needs no workspace).
     python benchmarks/memory_demo.py                 # CUDA if present, else CPU
     python benchmarks/memory_demo.py --device cpu --shape 2048 1024 --dtype float32
 
-Writes benchmarks/results/memory_demo_<cpu|cuda>.json and .md.
+Writes benchmarks/results/<gpu or cpu>/memory_demo.json and .md.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = env_info()["device"]
     print(f"{device_name}: peak memory above x and the weights, x {tuple(shape)} {dtype}\n")
     print(md)
-    json_path, md_path = write_results(f"memory_demo_{device.type}", records, md)
+    json_path, md_path = write_results("memory_demo", records, md)
     print(f"wrote {json_path} and {md_path}")
     return 0
 
