@@ -9,7 +9,7 @@ inputs every call, so a compiled one stays on its steady-state path:
                   the graph as is, Dynamo's settings left at their defaults: Dynamo's own
                   entry and guard cost
   convert         mti.convert(model)
-  convert-cached  what a converted call with known input layouts runs (convert's _run_cached:
+  convert-cached  what a converted call with known input layouts runs (convert's run_cached:
                   Dynamo's cached code, entered without torch.compile's Python wrapper),
                   skipping ConvertedModule.forward (convert - convert-cached: its own cost)
   graph-captured  the FX graph Dynamo captured, called directly (no Dynamo, no guards)
@@ -110,13 +110,12 @@ def main() -> None:
     (rewritten, rewritten_args), = graphs["rewritten"]
     (captured, captured_args), = graphs["captured"]
 
-    # (the submodule, which the package's convert function shadows as an attribute)
-    run_cached = importlib.import_module("make_torch_inplace.convert")._run_cached
+    run_cached = importlib.import_module("make_torch_inplace.convert._compat").run_cached
     variants = {
         "eager": lambda: model(*inputs),
         "compile-noop": lambda: noop(*inputs),
         "convert": lambda: converted(*inputs),
-        "convert-cached": lambda: run_cached(model, inputs, {}),
+        "convert-cached": lambda: run_cached(model, inputs, {}, converted._compiled_call),
         "graph-captured": lambda: captured(*captured_args),
         "graph-rewritten": lambda: rewritten(*rewritten_args),
     }

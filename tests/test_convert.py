@@ -179,15 +179,15 @@ def test_one_static_capture_per_input_layout(monkeypatch):
     """A call with new input layouts captures with static shapes (the later ones too, where
     Dynamo's defaults would make the changed sizes symbolic); a call with known layouts
     captures nothing."""
-    convert_module = importlib.import_module("make_torch_inplace.convert")
+    rewrite_module = importlib.import_module("make_torch_inplace.convert.rewrite")
     graphs = []
-    rewrite = convert_module._rewrite_graph
+    rewrite = rewrite_module._rewrite_graph
 
     def recording(gm, report=None):
         graphs.append(gm.graph)
         return rewrite(gm, report)
 
-    monkeypatch.setattr(convert_module, "_rewrite_graph", recording)
+    monkeypatch.setattr(rewrite_module, "_rewrite_graph", recording)
     converted = mti.convert(make_block(PreNormBlock, "cpu"))
     with torch.no_grad():
         for b, t in ((2, 8), (1, 16), (2, 8), (1, 16), (3, 5)):
@@ -287,7 +287,7 @@ def test_two_converted_modules_of_one_class_take_turns():
 
 
 def test_input_signature_tells_layouts_apart():
-    signature = importlib.import_module("make_torch_inplace.convert")._input_signature
+    signature = importlib.import_module("make_torch_inplace.convert.runtime")._input_signature
     x = torch.randn(4, 6)
 
     def call(*args, **kwargs):
@@ -490,6 +490,22 @@ def test_square_matmul_over_dead(batch, k, form, x_bytes_over_limit, seed):
     assert (out.data_ptr() == x.data_ptr()) == x_bytes_over_limit
 
 
+def assert_within_dot_error(out, a64, b64):
+    """out is a @ b in fp32 (a64, b64: the fp32 operands in fp64, in which their products are
+    exact) up to the rounding error of a length-k dot product summed in any order, with or
+    without FMA: |out - a @ b| <= gamma_k (|a| @ |b|) elementwise, gamma_k = k u / (1 - k u),
+    u = 2^-24 (Higham, Accuracy and Stability of Numerical Algorithms, 3.1). PyTorch's own
+    error is no yardstick here: with k this small it can be far below the bound by luck of
+    the order its kernel sums in, which varies with the op and the CPU."""
+    k = a64.shape[-1]
+    u = torch.finfo(torch.float32).eps / 2
+    exact = a64 @ b64
+    bound = k * u / (1 - k * u) * (a64.abs() @ b64.abs())
+    assert out.dtype == torch.float32 and out.shape == exact.shape
+    err = (out.double() - exact).abs()
+    assert (err <= bound).all(), f"error {err.max().item():.3e} over the bound somewhere"
+
+
 @settings(max_examples=examples(40), deadline=None)
 @given(
     batch=lead_shapes(max_dims=2, max_size=3),
@@ -499,25 +515,24 @@ def test_square_matmul_over_dead(batch, k, form, x_bytes_over_limit, seed):
     piece_matrices=st.integers(1, 4),
     seed=seeds,
 )
-# Found on the H100 machine's CPU (torch 2.11): a @ b of a (1, 8) and an (8, 1) came out
-# 1.5e-8 from fp64 there, the bmm that matmul_over_left runs 7.4e-8 (5 ulp of 0.19, a sum of
-# 8 products in another order). The yardstick is therefore bmm, the op it runs piecewise:
-# what is tested is that running it over a's memory, in pieces, adds no error.
+# Tiny products whose error differs many-fold between summation orders, which differ between
+# torch.matmul (a BLAS gemm) and the small-matrix bmm on some CPUs: measured against each
+# other's error, either fails about one case in a hundred.
 @example(batch=(), m=1, k=8, n_less=7, piece_matrices=1, seed=388)
+@example(batch=(), m=2, k=9, n_less=8, piece_matrices=1, seed=245)
 def test_matmul_over_left(batch, m, k, n_less, piece_matrices, seed, monkeypatch):
     """a @ b over a's memory, a few matrices at a time (pieces shrunk to `piece_matrices`
-    matrices): equal to torch.bmm within its error, contiguous, at a's first element; or,
-    where the product is one piece, in memory of its own."""
+    matrices): within fp32's rounding error of the exact product, contiguous, at a's first
+    element; or, where the product is one piece, in memory of its own."""
     n = max(1, k - n_less)
     a = randn((*batch, m, k), torch.float32, "cpu", seed)
     b = randn((*batch, n, k), torch.float32, "cpu", seed + 1).transpose(-1, -2)  # strided
-    ref64 = a.double() @ b.double()
+    a64, b64 = a.double(), b.double()  # before a is written over
     count = math.prod(batch)
-    expected = torch.bmm(a.reshape(count, m, k), b.reshape(count, k, n)).view(ref64.shape)
-    convert_module = importlib.import_module("make_torch_inplace.convert")
-    monkeypatch.setattr(convert_module, "_OVER_LEFT_PIECE_BYTES", piece_matrices * m * n * 4)
-    out = convert_module.matmul_over_left(a, b)
-    assert_accurate(out, expected, ref64)
+    pieces = importlib.import_module("make_torch_inplace.convert.pieces")
+    monkeypatch.setattr(pieces, "_OVER_LEFT_PIECE_BYTES", piece_matrices * m * n * 4)
+    out = pieces.matmul_over_left(a, b)
+    assert_within_dot_error(out, a64, b64)
     assert out.is_contiguous()
     if out.numel():  # (empty tensors may all have data_ptr 0)
         assert (out.data_ptr() == a.data_ptr()) == (count > piece_matrices)
@@ -786,18 +801,18 @@ def test_write_between_scale_and_softmax_is_not_folded():
     assert [s.pattern for s in converted.sites if s.op == "softmax_"] == ["softmax"]
 
 
+def _converted_with_our_ops():
+    torch.manual_seed(0)
+    model = Probe(lambda m, x: torch.softmax(m.square(m.lin(x)), -1))
+    model.square = mti.nn.InplaceLinear(D, D)
+    model.eval().requires_grad_(False)
+    return check_converted(model, randn((2, 8, D), torch.float32, "cpu", seed=1))
+
+
 def test_model_with_inplace_modules():
     """Our own ops in the captured graph (they return nothing and mutate x) are analysed as
     reads of x: the softmax after an InplaceLinear still runs in place, correctly."""
-
-    def fn(m, x):
-        return torch.softmax(m.square(m.lin(x)), -1)
-
-    torch.manual_seed(0)
-    model = Probe(fn).eval().requires_grad_(False)
-    model.square = mti.nn.InplaceLinear(D, D)
-    converted = check_converted(model, randn((2, 8, D), torch.float32, "cpu", seed=1))
-    assert "softmax_" in ops_of(converted)
+    assert "softmax_" in ops_of(_converted_with_our_ops())
 
 
 # --------------------------------------------------------------------------- autograd
@@ -915,17 +930,16 @@ def test_transformers_without_padding_mask(kind, attn, monkeypatch):
     """Without attention_mask, eager mode passes SDPA no mask (or is_causal) and eager
     attention at most a causal one; under torch.compile transformers may build the mask from
     sizes anyway. No mask tensor reaches SDPA or softmax_ in the converted graphs."""
-    # The package's name `convert` is the function; the module is reached through importlib.
-    convert_module = importlib.import_module("make_torch_inplace.convert")
+    rewrite_module = importlib.import_module("make_torch_inplace.convert.rewrite")
     graphs = []
-    rewrite = convert_module._rewrite_graph
+    rewrite = rewrite_module._rewrite_graph
 
     def recording(gm, report=None):
         sites = rewrite(gm, report)
         graphs.append(gm.graph)
         return sites
 
-    monkeypatch.setattr(convert_module, "_rewrite_graph", recording)
+    monkeypatch.setattr(rewrite_module, "_rewrite_graph", recording)
     model, _ = _hf_model(kind, attn)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     check_converted(_InputIdsOnly(model), ids)

@@ -1,0 +1,90 @@
+"""Whole-model conversion: run ops in place exactly where their input is dead.
+
+``convert(model)`` captures the model's forward with ``torch.compile`` and a backend of ours.
+Dynamo hands that backend torch-level FX graphs (``F.softmax``, ``F.linear``, ``operator.add``,
+``Tensor.view`` ... as call_function / call_method nodes), one per captured region, with a
+FakeTensor in ``node.meta["example_value"]`` for every value. The backend rewrites a node into
+its in-place form when the tensor it would overwrite is dead there:
+
+- Aliasing comes from the FakeTensors: Dynamo runs every op on fake tensors that share storage
+  exactly where the real ones will (views, ``reshape`` that is a view, ``.to``/``.contiguous``/
+  ``dropout`` that return their input, ...), so tensors are grouped by fake storage.
+- A group may be overwritten at position i when none of its tensors is a graph input (model
+  inputs, parameters and buffers are all placeholders under Dynamo) and no node after i reads
+  any of them (graph outputs included). An op's other operands must not share the group.
+- The written tensor must already have the output's shape, strides and dtype, so every later
+  node sees the layout it was traced with.
+- Folding ops into one (the scale and mask into softmax) moves reads of their operands to the
+  folded op's position; nothing may touch those operands in between.
+- A graph with a value whose aliasing is unknown (a call without an example value, a
+  non-strided tensor) is left unchanged. Our own ops, which return nothing, count as reads.
+- Inference only: autograd would save tensors that a later in-place op overwrites, so the
+  converted model refuses to run where autograd records.
+
+Patterns: F.linear / addmm / matmul with a square weight (-> linear_ / square_matmul_),
+softmax / log_softmax with the scale and additive mask that feed them folded in
+(``softmax(x * c + mask)``, ``x / d`` as scale 1/d) and with
+``softmax(x, dtype=float32).to(x.dtype)`` folded into one op, layer_norm / rms_norm,
+``torch.where(keep, x, fill)`` (-> ``x.masked_fill_(~keep, fill)``), and elementwise
+arithmetic and activations (-> PyTorch's own ``mul_``, ``add_``, ``tanh_``, ...), and a
+batched matmul whose left operand is dead and at least as wide as the product (attention's
+``probs @ v`` -> matmul_over_left, the product written over the probabilities). Module
+forms (nn.Linear, nn.Softmax, ...) reach the backend as these functions, since Dynamo inlines
+torch.nn modules.
+
+Eager attention, ``softmax_(q @ k_t, ...) @ v`` once the softmax is in place, with the scores
+dead afterwards, becomes attention_in_pieces: the same three ops, run a few heads at a time,
+so that only one piece of the B x heads x T x S scores (at most the workspace limit, at
+least one T x S matrix) is ever allocated. In-place ops alone cannot go below the full
+scores plus q, k, v and the hidden state, more than half of eager's peak (which holds two
+score-sized tensors), for a model like BERT.
+
+Constant attention masks: the model is captured with static shapes, so a mask computed from
+sizes alone (transformers builds one under torch.compile where eager mode passes none) is
+computed once at capture (_Constants). One that keeps every element is dropped; one that keeps
+exactly j <= i becomes ``is_causal=True`` for scaled_dot_product_attention and ``causal=True``
+for softmax_ (also from ``torch.where(mask, x, lowest)``). SDPA then keeps its flash kernel,
+and no S x S mask is built.
+
+Modules: runtime (ConvertedModule, its backend and its calls), rewrite (the rewriter and Site),
+liveness (aliasing groups and their last reads), patterns (the ops recognised and their
+arguments), constants (constant masks), fake (what example values tell), pieces (the helpers
+rewritten graphs call), _compat (every private PyTorch API used, with its fallback).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .pieces import attention_in_pieces, matmul_over_left, square_matmul_over_dead
+from .rewrite import Site
+from .runtime import ConvertedModule
+
+__all__ = [
+    "ConvertedModule",
+    "Site",
+    "attention_in_pieces",
+    "convert",
+    "matmul_over_left",
+    "square_matmul_over_dead",
+]
+
+
+def convert(model: nn.Module, verbose: bool = False) -> ConvertedModule:
+    """Returns a module computing `model`'s forward with ops run in place where that is safe.
+
+    An op writes over its input only where that input is dead: read by nothing later, not a
+    model input, parameter or buffer, not visible through a view that is still used. The
+    model is captured with torch.compile on its first call and again for each new input
+    shape (static shapes; past 64 captures of a model class Dynamo runs it unconverted); with
+    ``verbose=True`` each capture prints the rewritten sites and the bytes each saves, which
+    also accumulate in ``ConvertedModule.sites``. `model` itself is left unchanged and shares
+    its parameters with the result.
+
+    Inference only: running the result where autograd would record (grad mode on and a
+    parameter or input that requires grad) raises RuntimeError; use torch.no_grad() or
+    torch.inference_mode(), or the original model for training.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
+    return ConvertedModule(model, verbose=verbose)

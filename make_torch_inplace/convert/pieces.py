@@ -1,0 +1,122 @@
+"""What the rewritten graphs call besides the in-place ops themselves: products written over a
+dead operand, and attention computed a few heads at a time."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+
+# matmul_over_left computes its product this many bytes at a time (whole matrices of the
+# batch, at least one) into a temporary, then copies it over `a`: the temporary is all the
+# memory it allocates, and each piece costs two launches.
+_OVER_LEFT_PIECE_BYTES = 2 << 20
+
+
+def matmul_over_left(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for a contiguous float (..., M, K) `a` that nothing reads afterwards and a
+    (..., K, N) `b` with the same batch dims, N <= K: the product, contiguous, written over
+    the first elements of a's memory and returned (a view of that memory). A product that is
+    one piece is returned as computed instead: copying it over `a` would allocate as much
+    (the piece's temporary) and add a launch (host time, which a small model's forward is
+    bound by).
+
+    Each piece of matrices i0 .. i1 - 1 is read whole (into the temporary) before its product
+    is written, to elements [i0 * M * N, i1 * M * N) of a: since N <= K, inside matrices
+    0 .. i1 - 1 of a, which are read by then, and before the matrices still to be read.
+    """
+    *batch, m, k = a.shape
+    n = b.shape[-1]
+    if n > k or not a.is_contiguous() or list(b.shape[:-2]) != batch or b.shape[-2] != k:
+        raise ValueError(
+            f"matmul_over_left: needs a contiguous (..., M, K) a and a (..., K, N) b with the "
+            f"same batch dims and N <= K, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    count = math.prod(batch)
+    step = max(1, _OVER_LEFT_PIECE_BYTES // max(1, m * n * a.element_size()))
+    if step >= count:
+        return torch.matmul(a, b)
+    a3, b3 = a.view(count, m, k), b.reshape(count, k, n)
+    out = a.as_strided((count, m, n), (m * n, n, 1))
+    for i0 in range(0, count, step):
+        i1 = min(i0 + step, count)
+        out[i0:i1].copy_(torch.bmm(a3[i0:i1], b3[i0:i1]))
+    return out.view(*batch, m, n)
+
+
+def square_matmul_over_dead(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    transpose: bool = False,
+) -> torch.Tensor:
+    """x @ weight (+ bias; x @ weight.T with transpose, F.linear's layout) for an x that nothing
+    reads afterwards: square_matmul_ over x where that allocates less than the out-of-place
+    product, else the out-of-place product. square_matmul_ computes chunks of rows into at
+    most the workspace limit and copies each back; an output within the limit is one chunk,
+    for which it allocates the whole output as the out-of-place op does, and adds a copy (a
+    launch, and ~10 us of host time that a small model's forward, bound by its host time,
+    pays in full) for nothing.
+    """
+    if x.numel() * x.element_size() > ops.get_workspace_limit():
+        return ops.square_matmul_(x, weight, bias, transpose=transpose)
+    if transpose:
+        return F.linear(x, weight, bias)
+    return torch.matmul(x, weight) if bias is None else torch.addmm(bias, x, weight)
+
+
+def attention_in_pieces(
+    q: torch.Tensor,
+    k_t: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log: bool = False,
+    over_left: bool = False,
+    **softmax_kwargs,
+) -> torch.Tensor:
+    """softmax(q @ k_t) @ v (log_softmax with log=True; softmax_kwargs: softmax_'s dim,
+    scale, mask, causal) for (..., T, d) q, (..., d, S) k_t and (..., S, dv) v with the same
+    batch dims, a few matrices of the batch at a time: each piece's scores are computed,
+    normalised in place and multiplied into their rows of the (..., T, dv) product. Besides
+    the product, one piece of scores is all it allocates: as many whole T x S matrices of the
+    last batch dim (attention's heads) as fit in the workspace limit (mti.get_workspace_limit),
+    at least one. over_left: where one piece holds every matrix, write the product over the
+    scores (matmul_over_left) instead of allocating it; the caller has checked that this is
+    safe (see _Rewriter._over_left_ok).
+    """
+    *batch, t, _ = q.shape
+    s = k_t.shape[-1]
+    if not batch or list(k_t.shape[:-2]) != batch or list(v.shape[:-1]) != [*batch, s]:
+        raise ValueError(
+            f"attention_in_pieces: needs (..., T, d) q, (..., d, S) k_t and (..., S, dv) v with "
+            f"the same batch dims, got {tuple(q.shape)}, {tuple(k_t.shape)}, {tuple(v.shape)}"
+        )
+    softmax = ops.log_softmax_ if log else ops.softmax_
+    dim = softmax_kwargs.pop("dim", -1)
+    dim = dim - q.dim() if dim >= 0 else dim  # the pieces drop the leading batch dims
+    mask = softmax_kwargs.pop("mask", None)
+    heads = batch[-1]
+    matrix_bytes = max(1, t * s * q.element_size())
+    step = max(1, min(heads, ops.get_workspace_limit() // matrix_bytes))
+    if step == heads and math.prod(batch) == heads and over_left:
+        scores = torch.matmul(q, k_t)
+        softmax(scores, dim, mask=mask, **softmax_kwargs)
+        return matmul_over_left(scores, v)
+    if mask is not None:  # as many dims as the scores, to index like them
+        mask = mask[(None,) * (q.dim() - mask.dim())]
+    out = torch.empty((*batch, t, v.shape[-1]), dtype=q.dtype, device=q.device)
+    for outer in itertools.product(*map(range, batch[:-1])):
+        for h0 in range(0, heads, step):
+            piece = (*outer, slice(h0, h0 + step))
+            scores = torch.matmul(q[piece], k_t[piece])
+            if mask is not None:  # the same rows of a broadcast mask, which may have size 1
+                at = [i if n > 1 else 0 for i, n in zip(outer, mask.shape)]
+                at.append(piece[-1] if mask.shape[len(outer)] > 1 else slice(0, 1))
+                softmax_kwargs["mask"] = mask[tuple(at)]
+            softmax(scores, dim, **softmax_kwargs)
+            torch.matmul(scores, v[piece], out=out[piece])
+    return out

@@ -1,0 +1,463 @@
+"""The rewriter: in a Dynamo graph, each op whose input is dead where it runs becomes its
+in-place form (see the package's docstring for the rules)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import fx
+
+from .. import ops
+from .constants import _Constants
+from .fake import (
+    _contiguous_dims,
+    _hint,
+    _inplace_ok,
+    _like,
+    _mask_ok,
+    _returns_input,
+    _same,
+    _tensor,
+    _unanalyzable_node,
+)
+from .liveness import _Liveness
+from .patterns import (
+    _DEFAULTS,
+    _ELEMENTWISE,
+    _SDPA,
+    _is_conversion,
+    _is_number,
+    _match,
+    _name,
+    _op_name,
+    _softmax_inputs,
+)
+from .pieces import attention_in_pieces, matmul_over_left, square_matmul_over_dead
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One rewritten place: the ops in `pattern` now run as `op`, writing over a dead tensor."""
+
+    op: str  # the in-place op, e.g. "softmax_", "linear_", "mul_"
+    pattern: str  # the original ops, e.g. "mul -> add -> softmax -> to"
+    where: str  # module path and source line of the original op
+    shape: tuple[int, ...]  # output shape (size hints for dynamic dims)
+    dtype: torch.dtype
+    # Bytes of the output the original op allocated, which it no longer does. A square
+    # matmul borrows up to the workspace limit (mti.set_workspace_limit) while it runs (and
+    # runs out of place, saving nothing, where its output fits within the limit),
+    # attention_in_pieces as much for its scores (at least one matrix) and allocates the
+    # product of probs @ v (unless that goes over the scores), and matmul_over_left a piece of
+    # its product (_OVER_LEFT_PIECE_BYTES, at least one matrix), so their net saving is
+    # nbytes minus that.
+    nbytes: int
+
+    def __str__(self) -> str:
+        shape = "x".join(map(str, self.shape))
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{self.where}: {self.pattern} -> {self.op} [{shape} {dtype}] "
+            f"saves {self.nbytes:,} bytes"
+        )
+
+
+def _rewrite_graph(gm: fx.GraphModule, report: Callable[[str], None] | None = None) -> list[Site]:
+    """Rewrites a Dynamo graph in place (see the package's docstring); returns the sites."""
+    blocker = _unanalyzable_node(gm.graph)
+    if blocker is not None:
+        if report:
+            report(
+                f"mti.convert: graph left unchanged: the aliasing of node {blocker.name} "
+                f"({blocker.target}) is unknown (no example value, not a strided tensor, or "
+                f"storages this torch cannot tell apart)"
+            )
+        return []
+    constants = _Constants(gm.graph)
+    sites = [_fold_sdpa_mask(node, constants) for node in list(gm.graph.nodes)]
+    rewriter = _Rewriter(gm.graph, constants)
+    rewriter.sites += [site for site in sites if site is not None]
+    # Softmax first: it folds the scale and mask ops before them, which the elementwise
+    # rewrites of the second pass would otherwise take.
+    for node in list(gm.graph.nodes):
+        if _match(node, ("softmax", "log_softmax")):
+            rewriter.softmax(node)
+    # The masks folded away above are no longer computed at all.
+    constants.erase_unused(gm.graph)
+    for node in list(gm.graph.nodes):
+        rewriter.other(node)
+    gm.graph.lint()
+    gm.recompile()
+    if report:
+        for site in rewriter.sites:
+            report(f"mti.convert: {site}")
+    return rewriter.sites
+
+
+def _fold_sdpa_mask(node: fx.Node, constants: _Constants) -> Site | None:
+    """scaled_dot_product_attention with a constant mask that keeps everything -> no mask;
+    one that keeps exactly j <= i (square scores) -> is_causal=True, as eager mode does."""
+    m = _match(node, ("sdpa",))
+    if m is None:
+        return None
+    a = m[1]
+    mask, q, k = a["attn_mask"], _tensor(a["query"]), _tensor(a["key"])
+    if mask is None or a["is_causal"] or q is None or k is None or q.dim() < 2:
+        return None
+    shape = (*q.shape[:-1], k.shape[-2])
+    kind = constants.mask_kind(mask, shape)
+    if kind is None or (kind == "causal" and not _same(shape[-1], shape[-2])):
+        return None
+    args = dict(zip(_SDPA, node.args))
+    args.update(node.kwargs)
+    args["attn_mask"] = None
+    if kind == "causal":
+        args["is_causal"] = True
+    node.args, node.kwargs = (), args
+    value = _tensor(mask)
+    return Site(
+        op="scaled_dot_product_attention" + ("(is_causal=True)" if kind == "causal" else ""),
+        pattern=f"attention mask keeping {'every element' if kind == 'all' else 'j <= i'}",
+        where=_where(node),
+        shape=tuple(_hint(s) for s in value.shape),
+        dtype=value.dtype,
+        nbytes=value.untyped_storage().nbytes(),
+    )
+
+
+class _Rewriter:
+    def __init__(self, graph: fx.Graph, constants: _Constants) -> None:
+        self.graph = graph
+        self.constants = constants
+        self.live = _Liveness(graph)
+        self.sites: list[Site] = []
+
+    # ----------------------------------------------------------------- softmax (first pass)
+
+    def softmax(self, node: fx.Node) -> None:
+        family, a = _match(node, ("softmax", "log_softmax"))
+        x, dim, dtype = a["input"], a["dim"], a["dtype"]
+        if not isinstance(dim, int) or _tensor(x) is None:
+            return
+        result = node  # the node whose value the in-place op provides
+        if dtype is not None and dtype != _tensor(x).dtype:
+            # softmax(x, dtype=float32).to(x.dtype): one op in x's dtype, accumulating in fp32.
+            users = list(node.users)
+            if len(users) != 1 or not _is_conversion(users[0], node):
+                return
+            result = users[0]
+        pos = self.live.pos[node]
+        out = _tensor(result)
+        last_dim = dim in (-1, _tensor(x).dim() - 1)
+        for base, scale, mask, causal, folded in _softmax_inputs(x, self.constants):
+            t = _tensor(base)
+            if (
+                t is not None
+                and _inplace_ok(t, out, mti_op=True)
+                and (mask is None or _mask_ok(_tensor(mask), t))
+                and (last_dim or not causal)
+                and self.live.dead_after(base, pos)
+                and self.live.disjoint(base, [mask])
+                and self._unread_between(folded, node, [base, mask])
+            ):
+                kwargs = {"dim": dim}
+                if scale is not None:
+                    kwargs["scale"] = scale
+                if mask is not None:
+                    kwargs["mask"] = mask
+                if causal:
+                    kwargs["causal"] = True
+                fn = ops.softmax_ if family == "softmax" else ops.log_softmax_
+                pattern = [_name(n) for n in folded] + [family]
+                if causal:
+                    pattern[-1] += " (causal mask)"
+                if result is not node:
+                    pattern.append(_name(result))
+                self._replace(
+                    result, fn, (base,), kwargs, base, at=node, erase=[node, *reversed(folded)]
+                )
+                self._site(fn, pattern, node, result)
+                return
+
+    def _unread_between(self, folded: list[fx.Node], node: fx.Node, operands) -> bool:
+        """Folding moves the reads of `operands` from folded[0] to `node`: nothing else may
+        touch (read, hence possibly write) them in between."""
+        if not folded:
+            return True
+        between = folded[0].next
+        while between is not node:
+            if between not in folded and not all(
+                self.live.disjoint(inp, operands) for inp in between.all_input_nodes
+            ):
+                return False
+            between = between.next
+        return True
+
+    # ----------------------------------------------------------------- everything else
+
+    def other(self, node: fx.Node) -> None:
+        m = _match(node)
+        if m is None:
+            return
+        family, a = m
+        if family in _ELEMENTWISE:
+            self._elementwise(node, family, a)
+        elif family in ("linear", "matmul", "addmm"):
+            self._matmul(node, family, a)
+        elif family in ("layer_norm", "rms_norm"):
+            self._norm(node, family, a)
+        elif family == "where":
+            self._where(node, a)
+
+    def _where(self, node, a) -> None:
+        """torch.where(keep, x, fill) -> x.masked_fill_(~keep, fill) for a dead x and a
+        scalar fill (HF's masking of attention scores); ~keep costs keep's size, not x's."""
+        x, keep, fill = a["input"], a["condition"], a["other"]
+        t, k = _tensor(x), _tensor(keep)
+        fill_t = _tensor(fill)
+        scalar_fill = _is_number(fill) or (fill_t is not None and fill_t.dim() == 0)
+        pos = self.live.pos[node]
+        if (
+            t is None
+            or k is None
+            or k.dtype != torch.bool
+            or not scalar_fill
+            or not _inplace_ok(t, _tensor(node), mti_op=False)
+            or not self.live.dead_after(x, pos)
+            or not self.live.disjoint(x, [keep, fill])
+        ):
+            return
+        with self.graph.inserting_before(node):
+            drop = self.graph.call_function(torch.logical_not, (keep,))
+        drop.meta["example_value"] = torch.empty_like(k)
+        self.live.add(drop, pos)
+        self._replace(node, torch.Tensor.masked_fill_, (x, drop, fill), {}, x)
+        self._site(torch.Tensor.masked_fill_, ["where"], node, node)
+
+    def _elementwise(self, node, family, a) -> None:
+        fn, rest, carried = _ELEMENTWISE[family]
+        if a.get("inplace"):  # already in place
+            return
+        orders = [("input", *rest)]
+        if family in ("add", "mul") and a.get("alpha", 1) == 1:
+            orders.append(("other", "input"))  # commutative: write over either operand
+        pos = self.live.pos[node]
+        out = _tensor(node)
+        for order in orders:
+            target, *others = (a[k] for k in order)
+            t = _tensor(target)
+            if (
+                t is not None
+                and _inplace_ok(t, out, mti_op=False)
+                and self.live.dead_after(target, pos)
+                and self.live.disjoint(target, others)
+            ):
+                kwargs = {k: a[k] for k in carried if a[k] != _DEFAULTS[family][k]}
+                self._replace(node, fn, (target, *others), kwargs, target)
+                self._site(fn, [family], node, node)
+                return
+
+    def _matmul(self, node, family, a) -> None:
+        if family == "linear":
+            x, weight, bias, fn = a["input"], a["weight"], a["bias"], ops.linear_
+        elif family == "matmul":
+            x, weight, bias, fn = a["input"], a["other"], None, ops.square_matmul_
+        else:  # addmm(bias, x, weight): GPT-2's Conv1D
+            if a["beta"] != 1 or a["alpha"] != 1:
+                return
+            x, weight, bias, fn = a["mat1"], a["mat2"], a["input"], ops.square_matmul_
+        t, w = _tensor(x), _tensor(weight)
+        if family == "matmul" and t is not None and w is not None and w.dim() >= 3:
+            if not self._attention(node, x, weight) and self._over_left_ok(node, x, weight):
+                self._replace(node, matmul_over_left, (x, weight), {}, x,
+                              value=t.as_strided(_tensor(node).shape, _tensor(node).stride()))
+                self._site(matmul_over_left, ["matmul"], node, node)
+            return
+        if t is None or w is None or w.dim() != 2 or not _same(w.shape[0], w.shape[1]):
+            return
+        if bias is not None and (_tensor(bias) is None or _tensor(bias).dim() != 1):
+            return
+        params = [weight] + ([bias] if bias is not None else [])
+        if not all(_like(_tensor(p), t) for p in params):
+            return
+        pos = self.live.pos[node]
+        if (
+            t.dim() >= 1
+            and _inplace_ok(t, _tensor(node), mti_op=True)
+            and self.live.dead_after(x, pos)
+            and self.live.disjoint(x, params)
+        ):
+            self._replace(node, square_matmul_over_dead, (x, weight, bias, family == "linear"),
+                          {}, x)
+            self._site(fn, [family], node, node)
+
+    def _over_left_ok(self, node, a, b) -> bool:
+        """Whether a @ b of batches of matrices (attention's probs @ v) may be written over a
+        dead contiguous `a` at least as wide as the product (matmul_over_left): the product
+        then lives in a's memory, so a (the S x S probabilities) is freed only with the
+        product. That is a saving only if nothing else is allocated meanwhile: the product's
+        last reader must be the first node after it to allocate, and allocate no more than the
+        product (the copy that merges heads does both)."""
+        t, u, out = _tensor(a), _tensor(b), _tensor(node)
+        if out is None or not all(
+            isinstance(s, int) for v in (t, u, out) for s in (*v.shape, *v.stride())
+        ):
+            return False  # static shapes only: the pieces of the product are sized when it runs
+        *batch, m, k = t.shape
+        if not (
+            t.dim() == u.dim()
+            and list(u.shape) == [*batch, k, u.shape[-1]]
+            and u.shape[-1] <= k
+            and t.dtype == u.dtype
+            and _inplace_ok(t, t, mti_op=True)  # a float, contiguous
+            and _contiguous_dims(out.shape, out.stride())
+        ):
+            return False
+        pos = self.live.pos[node]
+        if not (self.live.dead_after(a, pos) and self.live.disjoint(a, [b])):
+            return False
+        last = max(self.live.last_read(node), pos)
+        later = node.next
+        while (at := self.live.pos.get(later)) is None or at <= last:
+            if at is None or later.op == "output":  # (output: the caller would get a's memory)
+                return False
+            if self.live.allocates(later):
+                value = _tensor(later)  # None: several values (max's values and indices)
+                if at != last or value is None or value.nbytes > out.nbytes:
+                    return False
+            later = later.next
+        return True
+
+    def _attention(self, node, probs, v) -> bool:
+        """softmax_(q @ k_t, ...) @ v (softmax_ as the first pass left it; eval-mode dropout
+        or other aliases of the probabilities in between) with the scores dead afterwards ->
+        attention_in_pieces(q, k_t, v, ...): the whole (..., T, S) scores are never
+        allocated, one piece of them at a time. Returns whether it rewrote."""
+        chain = []  # probs back to the softmax_ node: nodes that return their input as is
+        sm = probs
+        while len(sm.users) == 1 and _returns_input(sm):
+            chain.append(sm)
+            sm = sm.args[0]
+        if not (
+            sm.op == "call_function"
+            and sm.target in (ops.softmax_, ops.log_softmax_)
+            and len(sm.users) == 1
+            and isinstance(sm.args[0], fx.Node)
+            and len(sm.args[0].users) == 1
+        ):
+            return False
+        scores = sm.args[0]
+        m = _match(scores, ("matmul",))
+        if m is None:
+            return False
+        q, k_t = m[1]["input"], m[1]["other"]
+        tq, tk, tv, ts, out = map(_tensor, (q, k_t, v, scores, node))
+        if any(t is None for t in (tq, tk, tv, ts, out)):
+            return False
+        batch = list(ts.shape[:-2])
+        dim = sm.kwargs.get("dim", -1)
+        mask = sm.kwargs.get("mask")
+        pos = self.live.pos[node]
+        if not (
+            ts.dim() >= 3
+            and all(t.dim() == ts.dim() and list(t.shape[:-2]) == batch for t in (tq, tk, tv))
+            and _same(tv.shape[-2], ts.shape[-1])
+            and all(t.dtype == ts.dtype for t in (tq, tk, tv))
+            and isinstance(dim, int)
+            and dim in (-1, -2, ts.dim() - 1, ts.dim() - 2)  # not a batch dim
+            and _contiguous_dims(out.shape, out.stride())
+            and self.live.allocates(scores)
+            and self.live.dead_after(probs, pos)
+            and self.live.dead_after(scores, pos)
+            and self._unread_between([scores, sm, *reversed(chain)], node, [scores, q, k_t, mask])
+        ):
+            return False
+        kwargs = dict(sm.kwargs)
+        if sm.target is ops.log_softmax_:
+            kwargs["log"] = True
+        pattern = ["matmul", _op_name(sm.target), "matmul"]
+        if self._over_left_ok(node, probs, v):
+            kwargs["over_left"] = True
+            pattern[-1] += " (over the scores when in one piece)"
+        erase = [*chain, sm, scores]
+        self._replace(node, attention_in_pieces, (q, k_t, v), kwargs, node, erase=erase)
+        self._site(attention_in_pieces, pattern, scores, scores)
+        return True
+
+    def _norm(self, node, family, a) -> None:
+        x, weight = a["input"], a["weight"]
+        t = _tensor(x)
+        params = [p for p in (weight, a.get("bias")) if p is not None]
+        if t is None or not all(_like(_tensor(p), t) for p in params):
+            return
+        pos = self.live.pos[node]
+        if not (
+            _inplace_ok(t, _tensor(node), mti_op=True)
+            and self.live.dead_after(x, pos)
+            and self.live.disjoint(x, params)
+        ):
+            return
+        if family == "layer_norm":
+            fn, args = ops.layer_norm_, (x, a["normalized_shape"], weight, a["bias"], a["eps"])
+        else:
+            fn, args = ops.rms_norm_, (x, a["normalized_shape"], weight, a["eps"])
+        self._replace(node, fn, args, {}, x)
+        self._site(fn, [family], node, node)
+
+    # ----------------------------------------------------------------- shared
+
+    def _replace(self, result, fn, args, kwargs, target, at=None, erase=(), value=None) -> None:
+        """Puts `fn(*args, **kwargs)`, which writes over `target`, in the place of `result`.
+
+        The new node goes where `at` (default: `result`) was; `result` and then the nodes in
+        `erase` (folded into the new op, each used only by the next) are removed. `value`:
+        the fake tensor the new op returns, a view of target's memory (default: target).
+        """
+        at = result if at is None else at
+        with self.graph.inserting_before(at):
+            new = self.graph.call_function(fn, args, kwargs)
+        new.meta.update(result.meta)
+        # The op returns `target` itself (or `value`, a view of it), so the new node's storage
+        # (and hence group) is target's.
+        new.meta["example_value"] = target.meta["example_value"] if value is None else value
+        pos = self.live.pos[at]
+        self.live.pos[new] = pos
+        self.live.merge(result, target)
+        result.replace_all_uses_with(new)
+        for dead in dict.fromkeys([result, *erase]):
+            self.graph.erase_node(dead)
+        self.live.note_reads(new, pos)
+
+    def _site(self, fn, pattern: Sequence[str], origin: fx.Node, result: fx.Node) -> None:
+        # `result` is out of the graph by now, but keeps its meta: the output it allocated.
+        out = result.meta["example_value"]
+        shape = tuple(_hint(s) for s in out.shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        self.sites.append(
+            Site(
+                op=_op_name(fn),
+                pattern=" -> ".join(pattern),
+                where=_where(origin),
+                shape=shape,
+                dtype=out.dtype,
+                nbytes=numel * out.element_size(),
+            )
+        )
+
+
+def _where(node: fx.Node) -> str:
+    """Module path and source line of a node, for the report."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path) or "(top)"
+    files = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    if files:
+        file, line = files[-1]
+        path += f" ({os.path.basename(file)}:{line})"
+    return path
