@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "common/chunked_gemm.h"
 #include "common/plans.h"
 #include "cpu/cpu_ops.h"
 
