@@ -38,8 +38,8 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-// Warps per block, chosen at launch (few_rows_config): from 4 up to 16, or up to 8 where a
-// thread's accumulators for 32 or more rows need more than the 128 registers of 16 warps.
+// Warps per block, chosen by config(): from 4 up to 16, or up to 8 where a thread's
+// accumulators for 32 or more rows need more than the 128 registers of 16 warps.
 constexpr int kFewWarpsMin = 4;
 template <int MT>
 constexpr int few_warps_max() {

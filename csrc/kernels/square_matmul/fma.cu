@@ -132,33 +132,19 @@ __global__ void __launch_bounds__(Tile::THREADS)
 
 }  // namespace
 
-int64_t fma_max_k(size_t elem, int smem_optin) {
-  return family_max_k(FmaTiles{}, elem, smem_optin);
-}
+struct FmaStaging {
+  using Tiles = FmaTiles;
+  static constexpr const Tunable& kWCost = kFmaWCost;
+  template <typename T, bool TRANS, class Tile>
+  static auto kernel() {
+    return &fma_kernel<T, TRANS, Tile>;
+  }
+};
 
-template <typename T>
-int fma_tile(const Args<T>& a, bool trans, const DeviceInfo& d) {
-  const int64_t w_cost = tuned(kFmaWCost, tuning_key(d, sizeof(T), a.k));
-  return pick_tile(FmaTiles{}, a.rows, a.k, a.kpad, trans, sizeof(T), w_cost, d);
-}
+template int64_t staging_max_k<FmaStaging>(size_t, int);
 
-template <typename T>
-cudaError_t launch_fma(const Args<T>& a, bool trans, int tile, const DeviceInfo& d,
-                       cudaStream_t stream) {
-  return with_tile(FmaTiles{}, tile, cudaErrorInvalidValue, [&](auto t) {
-    using Tile = decltype(t);
-    return trans ? launch_tile<T, true, Tile>(&fma_kernel<T, true, Tile>, a, d, stream)
-                 : launch_tile<T, false, Tile>(&fma_kernel<T, false, Tile>, a, d, stream);
-  });
-}
-
-#define MTI_INSTANTIATE(T)                                                                 \
-  template int fma_tile<T>(const Args<T>&, bool, const DeviceInfo&);                       \
-  template cudaError_t launch_fma<T>(const Args<T>&, bool, int, const DeviceInfo&,         \
-                                     cudaStream_t);
-MTI_INSTANTIATE(float)
-MTI_INSTANTIATE(__half)
-MTI_INSTANTIATE(__nv_bfloat16)
-#undef MTI_INSTANTIATE
+MTI_INSTANTIATE_STAGING(FmaStaging, float)
+MTI_INSTANTIATE_STAGING(FmaStaging, __half)
+MTI_INSTANTIATE_STAGING(FmaStaging, __nv_bfloat16)
 
 }  // namespace mti::square_matmul

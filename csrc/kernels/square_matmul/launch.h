@@ -15,21 +15,19 @@
 
 namespace mti::square_matmul {
 
-// mma.cu (fp16/bf16) and fma.cu (float, fp16, bf16): the largest K (either transpose) whose
-// rows of some tile fit in smem_optin bytes of shared memory; the index of the tile for a
-// call (-1: none fits); the launch with that tile.
-int64_t mma_max_k(size_t elem, int smem_optin);
-template <typename T>
-int mma_tile(const Args<T>& a, bool trans, const DeviceInfo& d);
-template <typename T>
-cudaError_t launch_mma(const Args<T>& a, bool trans, int tile, const DeviceInfo& d,
-                       cudaStream_t stream);
-int64_t fma_max_k(size_t elem, int smem_optin);
-template <typename T>
-int fma_tile(const Args<T>& a, bool trans, const DeviceInfo& d);
-template <typename T>
-cudaError_t launch_fma(const Args<T>& a, bool trans, int tile, const DeviceInfo& d,
-                       cudaStream_t stream);
+// The staging kernels, mma.cu (MmaStaging: fp16/bf16) and fma.cu (FmaStaging: float, fp16,
+// bf16; both in staging.cuh): the largest K (either transpose) whose rows of some tile fit in
+// smem_optin bytes of shared memory; the index of the tile for a call (-1: none fits); the
+// launch with that tile.
+struct MmaStaging;
+struct FmaStaging;
+template <class Staging>
+int64_t staging_max_k(size_t elem, int smem_optin);
+template <class Staging, typename T>
+int staging_tile(const Args<T>& a, bool trans, const DeviceInfo& d);
+template <class Staging, typename T>
+cudaError_t launch_staging(const Args<T>& a, bool trans, int tile, const DeviceInfo& d,
+                           cudaStream_t stream);
 
 // few_rows.cu (fp16/bf16; 1 to kFewRowsMax rows, K a multiple of 16, or of 32 transposed,
 // 16-byte chunks of x and W, cooperative launches): the launches to try in order (warps 0:
@@ -41,19 +39,17 @@ template <typename T>
 cudaError_t launch_few_rows(const Args<T>& a, bool trans, const FewRowsConfig& c,
                             cudaStream_t stream);
 
-// stream.cu and wgmma_stream.cu (fp16/bf16 on sm_90, 16-byte chunks of x and W; the warpgroup
-// kernel also needs has_wgmma() and x's rows in one tensor map): the cheapest launch (cost
-// INT64_MAX: none fits), and the launch.
-template <typename T>
+// The streaming kernels, stream.cu (MmaStream) and wgmma_stream.cu (WgmmaStream; both in
+// stream.cuh): fp16/bf16 on sm_90, 16-byte chunks of x and W; the warpgroup kernel also needs
+// has_wgmma() and x's rows in one tensor map. The cheapest launch (cost INT64_MAX: none
+// fits), and the launch.
+struct MmaStream;
+struct WgmmaStream;
+template <class Streaming, typename T>
 StreamConfig stream_config(const Args<T>& a, bool trans, const DeviceInfo& d);
-template <typename T>
+template <class Streaming, typename T>
 cudaError_t launch_stream(const Args<T>& a, bool trans, const StreamConfig& c,
                           cudaStream_t stream);
-template <typename T>
-StreamConfig wgmma_stream_config(const Args<T>& a, bool trans, const DeviceInfo& d);
-template <typename T>
-cudaError_t launch_wgmma_stream(const Args<T>& a, bool trans, const StreamConfig& c,
-                                cudaStream_t stream);
 // Whether the code loaded for the current device has the sm_90a (warpgroup MMA) kernels.
 bool has_wgmma();
 

@@ -153,32 +153,18 @@ __global__ void __launch_bounds__(Tile::THREADS)
 
 }  // namespace
 
-int64_t mma_max_k(size_t elem, int smem_optin) {
-  return family_max_k(MmaTiles{}, elem, smem_optin);
-}
+struct MmaStaging {
+  using Tiles = MmaTiles;
+  static constexpr const Tunable& kWCost = kMmaWCost;
+  template <typename T, bool TRANS, class Tile>
+  static auto kernel() {
+    return &mma_kernel<T, TRANS, Tile>;
+  }
+};
 
-template <typename T>
-int mma_tile(const Args<T>& a, bool trans, const DeviceInfo& d) {
-  const int64_t w_cost = tuned(kMmaWCost, tuning_key(d, sizeof(T), a.k));
-  return pick_tile(MmaTiles{}, a.rows, a.k, a.kpad, trans, sizeof(T), w_cost, d);
-}
+template int64_t staging_max_k<MmaStaging>(size_t, int);
 
-template <typename T>
-cudaError_t launch_mma(const Args<T>& a, bool trans, int tile, const DeviceInfo& d,
-                       cudaStream_t stream) {
-  return with_tile(MmaTiles{}, tile, cudaErrorInvalidValue, [&](auto t) {
-    using Tile = decltype(t);
-    return trans ? launch_tile<T, true, Tile>(&mma_kernel<T, true, Tile>, a, d, stream)
-                 : launch_tile<T, false, Tile>(&mma_kernel<T, false, Tile>, a, d, stream);
-  });
-}
-
-#define MTI_INSTANTIATE(T)                                                                 \
-  template int mma_tile<T>(const Args<T>&, bool, const DeviceInfo&);                       \
-  template cudaError_t launch_mma<T>(const Args<T>&, bool, int, const DeviceInfo&,         \
-                                     cudaStream_t);
-MTI_INSTANTIATE(__half)
-MTI_INSTANTIATE(__nv_bfloat16)
-#undef MTI_INSTANTIATE
+MTI_INSTANTIATE_STAGING(MmaStaging, __half)
+MTI_INSTANTIATE_STAGING(MmaStaging, __nv_bfloat16)
 
 }  // namespace mti::square_matmul

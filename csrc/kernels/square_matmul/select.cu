@@ -89,8 +89,8 @@ bool plan_few_rows(const Args<T>& a, bool transpose, const DeviceInfo& d, Plan* 
 // The largest K the zero-workspace kernels take on the device.
 template <typename T>
 int64_t zero_workspace_max_k(const DeviceInfo& d) {
-  return use_tensor_cores<T>(d) ? mma_max_k(sizeof(T), d.smem_optin)
-                                : fma_max_k(sizeof(T), d.smem_optin);
+  return use_tensor_cores<T>(d) ? staging_max_k<MmaStaging>(sizeof(T), d.smem_optin)
+                                : staging_max_k<FmaStaging>(sizeof(T), d.smem_optin);
 }
 
 // The zero-workspace kernels' plan: on sm_90 for fp16/bf16 in 16-byte chunks the streaming
@@ -107,20 +107,20 @@ void plan_zero_workspace(const Args<T>& a, bool transpose, const DeviceInfo& d, 
     if (use_tensor_cores<T>(d)) {
       if (d.cc >= 90 && a.x_vec && a.w_vec) {
         if (wgmma_applies(a, d)) {
-          plan->stream = wgmma_stream_config<T>(a, transpose, d);
+          plan->stream = stream_config<WgmmaStream>(a, transpose, d);
           plan->kernel = Kernel::kWgmmaStream;
           if (plan->stream.cost != INT64_MAX) return;
         }
-        plan->stream = stream_config<T>(a, transpose, d);
+        plan->stream = stream_config<MmaStream>(a, transpose, d);
         plan->kernel = Kernel::kStream;
         if (plan->stream.cost != INT64_MAX) return;
       }
-      plan->tile = mma_tile<T>(a, transpose, d);
+      plan->tile = staging_tile<MmaStaging>(a, transpose, d);
       plan->kernel = Kernel::kMma;
       return;
     }
   }
-  plan->tile = fma_tile<T>(a, transpose, d);
+  plan->tile = staging_tile<FmaStaging>(a, transpose, d);
   plan->kernel = Kernel::kFma;
 }
 
@@ -161,8 +161,8 @@ cudaError_t select_square_matmul(const T* x, const RowLayout& layout, const T* w
     }
   }
 
-  // 3. cuBLAS through the workspace. Its chunks of too few rows measured less accurate than
-  // the zero-workspace kernels, which take over where they take K.
+  // 3. cuBLAS through the workspace. Chunks of too few rows are less accurate than the
+  // zero-workspace kernels (chunks_lose_accuracy), which take over where they take K.
   if (!offer.no_workspace) {
     if (offer.chunks_accurate) return cudaSuccess;  // plan->kernel is kCublas
     if ((err = device.get(&d)) != cudaSuccess) return err;
@@ -185,8 +185,10 @@ cudaError_t run_square_matmul(const Plan& plan, T* x, const RowLayout& layout, c
     DeviceInfo d;
     const cudaError_t err = current_device(&d);
     if (err != cudaSuccess) return err;
-    if (plan.kernel == Kernel::kFma) return launch_fma(a, transpose, plan.tile, d, stream);
-    if constexpr (sizeof(T) == 2) return launch_mma(a, transpose, plan.tile, d, stream);
+    if (plan.kernel == Kernel::kFma)
+      return launch_staging<FmaStaging>(a, transpose, plan.tile, d, stream);
+    if constexpr (sizeof(T) == 2)
+      return launch_staging<MmaStaging>(a, transpose, plan.tile, d, stream);
   }
   if constexpr (sizeof(T) == 2) {
     switch (plan.kernel) {
@@ -201,9 +203,9 @@ cudaError_t run_square_matmul(const Plan& plan, T* x, const RowLayout& layout, c
       case Kernel::kHandshake:
         return launch_handshake(a, transpose, plan.handshake, counters, counters_zero, stream);
       case Kernel::kWgmmaStream:
-        return launch_wgmma_stream(a, transpose, plan.stream, stream);
+        return launch_stream<WgmmaStream>(a, transpose, plan.stream, stream);
       case Kernel::kStream:
-        return launch_stream(a, transpose, plan.stream, stream);
+        return launch_stream<MmaStream>(a, transpose, plan.stream, stream);
       default:
         break;
     }

@@ -22,6 +22,7 @@
 
 #include "kernels/common.cuh"
 #include "kernels/square_matmul/args.cuh"
+#include "kernels/square_matmul/launch.h"
 
 namespace mti::square_matmul {
 
@@ -203,5 +204,36 @@ cudaError_t launch_tile(Kernel kernel, Args<T> a, const DeviceInfo& d, cudaStrea
   }
   return cudaSuccess;
 }
+
+// launch.h's staging functions, for a Staging of the kernel's file: its Tiles (a TileList),
+// kWCost (its table of what a W tile costs) and kernel<T, TRANS, Tile>().
+template <class Staging>
+int64_t staging_max_k(size_t elem, int smem_optin) {
+  return family_max_k(typename Staging::Tiles{}, elem, smem_optin);
+}
+
+template <class Staging, typename T>
+int staging_tile(const Args<T>& a, bool trans, const DeviceInfo& d) {
+  const int64_t w_cost = tuned(Staging::kWCost, tuning_key(d, sizeof(T), a.k));
+  return pick_tile(typename Staging::Tiles{}, a.rows, a.k, a.kpad, trans, sizeof(T), w_cost, d);
+}
+
+template <class Staging, typename T>
+cudaError_t launch_staging(const Args<T>& a, bool trans, int tile, const DeviceInfo& d,
+                           cudaStream_t stream) {
+  return with_tile(typename Staging::Tiles{}, tile, cudaErrorInvalidValue, [&](auto t) {
+    using Tile = decltype(t);
+    return trans ? launch_tile<T, true, Tile>(Staging::template kernel<T, true, Tile>(), a, d,
+                                              stream)
+                 : launch_tile<T, false, Tile>(Staging::template kernel<T, false, Tile>(), a, d,
+                                               stream);
+  });
+}
+
+// The instantiations of the functions above for a kernel's file.
+#define MTI_INSTANTIATE_STAGING(STAGING, T)                                                   \
+  template int staging_tile<STAGING, T>(const Args<T>&, bool, const DeviceInfo&);            \
+  template cudaError_t launch_staging<STAGING, T>(const Args<T>&, bool, int, const DeviceInfo&, \
+                                                  cudaStream_t);
 
 }  // namespace mti::square_matmul

@@ -16,10 +16,13 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common.cuh"
 #include "kernels/square_matmul/args.cuh"
+#include "kernels/square_matmul/launch.h"
 #include "kernels/square_matmul/select.h"
+#include "kernels/square_matmul/tuning.h"
 #include "kernels/square_matmul/wgmma_tile.cuh"
 
 namespace mti::square_matmul {
@@ -190,5 +193,39 @@ cudaError_t launch_stream_tile(Kernel kernel, Args<T> a, const StreamConfig& p,
   }
   return cudaGetLastError();
 }
+
+// launch.h's streaming functions, for a Streaming of the kernel's file: its Tiles (a
+// TileList) and kernel<T, TRANS, Tile>().
+template <class Streaming, typename T>
+StreamConfig stream_config(const Args<T>& a, bool trans, const DeviceInfo& d) {
+  const int64_t load_rows = tuned(kStreamLoadRows, tuning_key(d, sizeof(T), a.k));
+  const auto cheapest_for = [&](auto trans_c) {
+    constexpr bool TRANS = decltype(trans_c)::value;
+    return cheapest(typename Streaming::Tiles{}, [&](auto tile) {
+      using Tile = decltype(tile);
+      return plan_stream<T, TRANS, Tile>(Streaming::template kernel<T, TRANS, Tile>(), a.rows,
+                                         a.k, load_rows, d);
+    });
+  };
+  return trans ? cheapest_for(std::true_type{}) : cheapest_for(std::false_type{});
+}
+
+template <class Streaming, typename T>
+cudaError_t launch_stream(const Args<T>& a, bool trans, const StreamConfig& c,
+                          cudaStream_t stream) {
+  return with_tile(typename Streaming::Tiles{}, c.tile, cudaErrorInvalidValue, [&](auto tile) {
+    using Tile = decltype(tile);
+    return trans ? launch_stream_tile<T, true, Tile>(
+                       Streaming::template kernel<T, true, Tile>(), a, c, stream)
+                 : launch_stream_tile<T, false, Tile>(
+                       Streaming::template kernel<T, false, Tile>(), a, c, stream);
+  });
+}
+
+// The instantiations of the functions above for a kernel's file.
+#define MTI_INSTANTIATE_STREAM(STREAMING, T)                                                  \
+  template StreamConfig stream_config<STREAMING, T>(const Args<T>&, bool, const DeviceInfo&); \
+  template cudaError_t launch_stream<STREAMING, T>(const Args<T>&, bool, const StreamConfig&, \
+                                                   cudaStream_t);
 
 }  // namespace mti::square_matmul

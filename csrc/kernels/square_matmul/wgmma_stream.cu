@@ -176,25 +176,6 @@ __global__ void wgmma_probe_kernel(int* out) {
 #endif
 }
 
-template <typename T, bool TRANS>
-StreamConfig config(const Args<T>& a, const DeviceInfo& d) {
-  const int64_t load_rows = tuned(kStreamLoadRows, tuning_key(d, sizeof(T), a.k));
-  return cheapest(WgmmaTiles{}, [&](auto tile) {
-    using Tile = decltype(tile);
-    return plan_stream<T, TRANS, Tile>(&wgmma_stream_kernel<T, TRANS, Tile>, a.rows, a.k,
-                                       load_rows, d);
-  });
-}
-
-template <typename T, bool TRANS>
-cudaError_t launch(const Args<T>& a, const StreamConfig& c, cudaStream_t stream) {
-  return with_tile(WgmmaTiles{}, c.tile, cudaErrorInvalidValue, [&](auto tile) {
-    using Tile = decltype(tile);
-    return launch_stream_tile<T, TRANS, Tile>(&wgmma_stream_kernel<T, TRANS, Tile>, a, c,
-                                              stream);
-  });
-}
-
 }  // namespace
 
 bool has_wgmma() {
@@ -206,23 +187,15 @@ bool has_wgmma() {
          }) == 1;
 }
 
-template <typename T>
-StreamConfig wgmma_stream_config(const Args<T>& a, bool trans, const DeviceInfo& d) {
-  return trans ? config<T, true>(a, d) : config<T, false>(a, d);
-}
+struct WgmmaStream {
+  using Tiles = WgmmaTiles;
+  template <typename T, bool TRANS, class Tile>
+  static auto kernel() {
+    return &wgmma_stream_kernel<T, TRANS, Tile>;
+  }
+};
 
-template <typename T>
-cudaError_t launch_wgmma_stream(const Args<T>& a, bool trans, const StreamConfig& c,
-                                cudaStream_t stream) {
-  return trans ? launch<T, true>(a, c, stream) : launch<T, false>(a, c, stream);
-}
-
-#define MTI_INSTANTIATE(T)                                                                 \
-  template StreamConfig wgmma_stream_config<T>(const Args<T>&, bool, const DeviceInfo&);   \
-  template cudaError_t launch_wgmma_stream<T>(const Args<T>&, bool, const StreamConfig&,   \
-                                              cudaStream_t);
-MTI_INSTANTIATE(__half)
-MTI_INSTANTIATE(__nv_bfloat16)
-#undef MTI_INSTANTIATE
+MTI_INSTANTIATE_STREAM(WgmmaStream, __half)
+MTI_INSTANTIATE_STREAM(WgmmaStream, __nv_bfloat16)
 
 }  // namespace mti::square_matmul
