@@ -5,83 +5,13 @@
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
+#include "common/checks.h"
+
 namespace mti {
-
-std::string text(int64_t v) { return std::to_string(v); }
-
-std::string text(at::IntArrayRef shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 namespace {
-
-void check_float_dtype(const char* op, const char* name, const at::Tensor& t) {
-  const auto dt = t.scalar_type();
-  // float64 is accepted for gradcheck; the CUDA backend refuses it in its dtype dispatch.
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kDouble,
-              op, ": ", name, " must be float32, float16, bfloat16 (or float64 on CPU), got ", dt);
-}
-
-// t must have the device and dtype of x (called `x_name` in the message).
-void check_like(const char* op, const char* name, const at::Tensor& t, const char* x_name,
-                const at::Tensor& x) {
-  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on ", x_name, "'s device (",
-              x.device(), "), got ", t.device());
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have ", x_name,
-              "'s dtype (", x.scalar_type(), "), got ", t.scalar_type());
-}
-
-void check_like_x(const char* op, const char* name, const at::Tensor& x, const at::Tensor& t) {
-  check_like(op, name, t, "x", x);
-}
-
-// Byte range [begin, end) spanned by t's elements, or an empty range for an empty tensor.
-std::pair<const char*, const char*> byte_span(const at::Tensor& t) {
-  if (t.numel() == 0) return {nullptr, nullptr};
-  const char* base = static_cast<const char*>(t.data_ptr());
-  int64_t lo = 0, hi = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    const int64_t ext = (t.size(d) - 1) * t.stride(d);
-    (ext < 0 ? lo : hi) += ext;
-  }
-  return {base + lo * t.element_size(), base + (hi + 1) * t.element_size()};
-}
-
-// x (called `x_name`) is written while `other` is read: refuse any sharing of memory,
-// including x being a view into other. Conservative: two interleaved but disjoint views of one
-// storage are refused too.
-void check_no_overlap(const char* op, const char* name, const at::Tensor& x,
-                      const at::Tensor& other, const char* x_name = "x") {
-  if (x.numel() == 0 || other.numel() == 0) return;
-  if (!x.storage().is_alias_of(other.storage())) return;
-  const auto a = byte_span(x);
-  const auto b = byte_span(other);
-  TORCH_CHECK(a.second <= b.first || b.second <= a.first, op, ": ", x_name, " overlaps ", name,
-              " in memory; the op would overwrite ", name,
-              " while reading it (pass a copy, e.g. ", name, ".clone())");
-}
-
-// Refuses x whose elements share memory (an expanded or as_strided view): writing one
-// element would change another. Sufficient test: sorted by stride, each dim's stride must
-// step over everything the smaller dims span.
-void check_no_internal_overlap(const char* op, const at::Tensor& x, const char* x_name = "x") {
-  if (x.numel() == 0) return;  // nothing is written; strides of an empty tensor are arbitrary
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
-  for (int64_t d = 0; d < x.dim(); ++d)
-    if (x.size(d) > 1) dims.emplace_back(x.stride(d), x.size(d));
-  std::sort(dims.begin(), dims.end());
-  int64_t span = 0;  // max offset reached by the dims seen so far
-  for (const auto& [stride, size] : dims) {
-    TORCH_CHECK(stride > span, op, ": ", x_name, " has internally overlapping memory (stride ",
-                text(stride), " with size ", text(size), "; e.g. an expanded tensor), so it "
-                "cannot be written in place; pass ", x_name, ".contiguous()");
-    span += stride * (size - 1);
-  }
-}
 
 // Fills `index` with the leading dims [0, lead) of t, merging neighbours wherever the strides
 // allow it and dropping size-1 dims. Returns false, having filled nothing, when more than
@@ -349,28 +279,6 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
   return plan;
 }
 
-ChunkSchedule ChunkPipeline::schedule(int64_t rows, int64_t row_bytes,
-                                      int64_t workspace_bytes) const {
-  return {std::min(rows, workspace_bytes / row_bytes), 1};
-}
-
-namespace {
-
-// Chunk heights are rounded up to this many rows: GEMM tiles are 64 to 256 rows high, so a
-// chunk of a tile multiple leaves no partly filled row of tiles except at a block's end.
-constexpr int64_t kChunkRowMultiple = 128;
-
-// Rows per chunk for a block of `rows` rows when a chunk holds at most max_rows: as even as
-// possible, since a small last chunk is a GEMM too small to fill the device that also leaves
-// the copy-back of the chunk before it with nothing to overlap.
-int64_t balanced_chunk_rows(int64_t rows, int64_t max_rows) {
-  const int64_t chunks = (rows + max_rows - 1) / max_rows;
-  const int64_t even = (rows + chunks - 1) / chunks;
-  return std::min(max_rows, (even + kChunkRowMultiple - 1) / kChunkRowMultiple * kChunkRowMultiple);
-}
-
-}  // namespace
-
 NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const at::Tensor& grad,
                                     at::IntArrayRef normalized_shape,
                                     const std::optional<at::Tensor>& weight,
@@ -450,88 +358,6 @@ NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const a
   if (weight) plan.weight = weight->contiguous();
   if (bias) plan.bias = bias->contiguous();
   return plan;
-}
-
-const char* square_matmul_with_workspace(const at::Tensor& x, const MatmulPlan& plan,
-                                         int64_t workspace_bytes, ChunkPipeline& pipeline) {
-  const int64_t k = plan.k;
-  const int64_t rows = plan.x.rows;
-  const ChunkSchedule sched = workspace_bytes > 0
-      ? pipeline.schedule(rows, k * x.element_size(), workspace_bytes)
-      : ChunkSchedule{};
-  if (sched.rows < 1) return "workspace_bytes is smaller than one row";
-  const at::Tensor wv = plan.transpose ? plan.weight.t() : plan.weight;
-
-  if (sched.rows >= rows && plan.x.row.ndim <= 1) {
-    // One chunk of one matrix (every small-M call): x as that matrix, the GEMM into a fresh
-    // tensor, one copy back; no workspace tensor to carve up. A 2-D x with unit column
-    // stride is that matrix already (the GEMM then takes it as it is, copying nothing), and
-    // skipping the view saves a good part of the host time of a small call.
-    const at::Tensor xm = x.dim() == 2 && x.stride(1) == 1
-        ? x
-        : x.as_strided({rows, k}, {plan.x.row.ndim == 0 ? k : plan.x.row.strides[0], 1},
-                       x.storage_offset());
-    at::Tensor out;
-    try {
-      out = plan.bias ? at::addmm(*plan.bias, xm, wv) : at::mm(xm, wv);
-    } catch (const c10::OutOfMemoryError&) {
-      return "the workspace could not be allocated";
-    }
-    xm.copy_(out);
-    return nullptr;
-  }
-
-  // Every matrix for_each_matrix hands out has the same rows, so one balanced chunk height
-  // serves them all; the workspace holds that, not the schedule's most (an output of 1.5
-  // chunks would otherwise take 2 full buffers, more than the output itself).
-  const int64_t matrix_rows = plan.x.row.ndim == 0 ? 1 : plan.x.row.sizes[plan.x.row.ndim - 1];
-  const int64_t chunk = balanced_chunk_rows(matrix_rows, sched.rows);
-  at::Tensor ws;
-  try {
-    // One allocation per call, from the caching allocator, so it counts in the allocator's
-    // peak statistics like any other tensor.
-    ws = at::empty({sched.buffers, chunk, k}, x.options());
-  } catch (const c10::OutOfMemoryError&) {
-    return "the workspace could not be allocated";
-  }
-  int64_t chunk_index = 0;
-  const auto run_chunks = [&](int64_t offset, int64_t block_rows, int64_t ld) {
-    for (int64_t r0 = 0; r0 < block_rows; r0 += chunk, ++chunk_index) {
-      const int64_t r = std::min(chunk, block_rows - r0);
-      const int buffer = static_cast<int>(chunk_index % sched.buffers);
-      const at::Tensor xc = x.as_strided({r, k}, {ld, 1}, x.storage_offset() + offset + r0 * ld);
-      at::Tensor out = ws.select(0, buffer).narrow(0, 0, r);
-      pipeline.before_gemm(buffer);
-      if (plan.bias)
-        at::addmm_out(out, *plan.bias, xc, wv);
-      else
-        at::mm_out(out, xc, wv);
-      pipeline.copy_back(xc, out, buffer);
-    }
-  };
-  try {
-    for_each_matrix(plan.x, run_chunks);
-  } catch (...) {
-    pipeline.join();  // the copies already queued still read ws, which is freed on the way out
-    throw;
-  }
-  pipeline.join();
-  return nullptr;
-}
-
-void for_each_matrix(const RowLayout& layout,
-                     const std::function<void(int64_t, int64_t, int64_t)>& fn) {
-  if (layout.rows == 0) return;
-  const RowIndexer& idx = layout.row;
-  if (idx.ndim == 0) {
-    fn(0, 1, layout.n);
-    return;
-  }
-  // The innermost group is one strided matrix; loop over the others.
-  const int64_t inner_rows = idx.sizes[idx.ndim - 1];
-  const int64_t ld = idx.strides[idx.ndim - 1];
-  for (int64_t block = 0; block < layout.rows / inner_rows; ++block)
-    fn(idx.offset(block * inner_rows), inner_rows, ld);
 }
 
 }  // namespace mti

@@ -1,18 +1,12 @@
 // CUDA host side of square_matmul_: x[..., K] <- x @ W (or x @ W^T) + bias, over x.
 //
-// Every mode, fp16/bf16 with 1-64 rows where they suit it: the few-rows kernel of
-// kernels/square_matmul.cu, which needs no memory at all (where the workspace holds the
-// output, only where it is faster than cuBLAS plus the copy back below).
-// Default: on sm_90 (sm_90a builds), for fp16/bf16 with rows enough to fill half of the GPU,
-// the handshake kernel of kernels/square_matmul.cu, whose workspace is one int per 128
-// rows, kept for the stream (handshake_counters) (H100, fp16/bf16, M >= 4096: 0.74-1.07x
-// torch.matmul's speed at 269e76b, where cuBLAS plus the copy back below ran at
-// 0.65-0.94x). Elsewhere cuBLAS through ATen, a chunk of rows at a time into a workspace of
-// at most workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over
-// its rows on a side stream while the GEMM of the next chunk runs. With no room for one row,
-// room for chunks of too few rows (chunks_lose_accuracy) or no workspace to be had, what
-// workspace_bytes=0 runs: the few-rows kernel where it takes the shape, else the
-// zero-workspace kernel of kernels/square_matmul.cu.
+// kernels/square_matmul/select.h decides how a call runs: the few-rows kernel, the handshake
+// kernel, cuBLAS in chunks of rows, or a zero-workspace kernel. This file follows its plan:
+// it runs cuBLAS through ATen, a chunk of rows at a time into a workspace of at most
+// workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over its rows
+// on a side stream while the GEMM of the next chunk runs; it keeps the handshake kernel's
+// counters for each stream; and where the workspace cannot be had or a cooperative launch is
+// refused, it says so and follows the next plan.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAEvent.h>
@@ -28,27 +22,19 @@
 #include <optional>
 #include <utility>
 
+#include "common/checks.h"
+#include "common/chunked_gemm.h"
 #include "common/plans.h"
 #include "cuda/cuda_ops.h"
 #include "cuda/dispatch.h"
-#include "kernels/square_matmul.h"
+#include "kernels/common.cuh"
+#include "kernels/square_matmul/select.h"
+#include "kernels/square_matmul/tuning.h"
 
 namespace mti::cuda {
 namespace {
 
-// Chunk sizing of the default path (measure on the GPU before changing; workspace_bytes =
-// 2 * chunk bytes sweeps smaller chunks without a rebuild).
-//
-// kChunkTargetBytes, the output of one chunk: half the default workspace. Measured on an H100
-// (bf16, M >= 4096), 8 MiB chunks made N = 1024/2048 up to 1.8x slower than torch.matmul
-// (many small GEMMs, and the copies did not hide behind them); the old single-stream scheme
-// with 64 MiB chunks was at ~1.5x.
-constexpr int64_t kChunkTargetBytes = 32 << 20;
-// kMinChunkRows: every chunk's GEMM reads all of W again. With r rows it does r flops per
-// byte of a 2-byte W, so r >= 1024 stays well above the ridge point (about 300 flop/byte for
-// bf16 on H100) where W does not fit in L2 (K = 8192: 128 MiB).
-constexpr int64_t kMinChunkRows = 1024;
-
+namespace sm = mti::square_matmul;
 
 // The CUDA caching allocator's granularity: requests round up to kAllocRound bytes, and those
 // of more than kAllocSmall come from blocks it may hand out up to kAllocSmall larger.
@@ -75,14 +61,16 @@ int64_t workspace_holding(int64_t bytes) {
 // while the GEMM of chunk i+1 (compute-bound) runs on the caller's stream, the chunks
 // alternating between two buffers of at most half of workspace_bytes each. Events order the
 // streams: GEMM i done -> copy i may start; copy i done -> GEMM i+2, which reuses its
-// buffer, may start.
+// buffer, may start. Chunks aim at chunk_bytes of output and at least min_rows rows
+// (tuning.h).
 class SideStreamCopies final : public ChunkPipeline {
  public:
-  explicit SideStreamCopies(c10::cuda::CUDAStream caller) : caller_(caller) {}
+  SideStreamCopies(c10::cuda::CUDAStream caller, int64_t chunk_bytes, int64_t min_rows)
+      : caller_(caller), chunk_bytes_(chunk_bytes), min_rows_(min_rows) {}
 
   ChunkSchedule schedule(int64_t rows, int64_t row_bytes,
                          int64_t workspace_bytes) const override {
-    const int64_t target = std::max(kMinChunkRows, kChunkTargetBytes / row_bytes);
+    const int64_t target = std::max(min_rows_, chunk_bytes_ / row_bytes);
     const int64_t fit_one = workspace_bytes / row_bytes;
     if (rows <= std::min(target, fit_one)) return {rows, 1};  // one chunk, nothing to overlap
     const int64_t fit_each = workspace_bytes / (kBuffers * row_bytes);
@@ -124,6 +112,7 @@ class SideStreamCopies final : public ChunkPipeline {
  private:
   static constexpr int kBuffers = 2;
   c10::cuda::CUDAStream caller_;
+  int64_t chunk_bytes_, min_rows_;
   std::optional<c10::cuda::CUDAStream> side_;  // taken from the pool at the first copy
   c10::cuda::CUDAEvent computed_, joined_;
   std::array<c10::cuda::CUDAEvent, kBuffers> copied_;
@@ -131,14 +120,13 @@ class SideStreamCopies final : public ChunkPipeline {
 
 // The handshake kernel's counters, kept for each stream that runs it: the kernel leaves every
 // counter it used at 0 again, and launches on one stream run one after another, so a stream's
-// counters are zeroed once (when allocated or grown) instead of by a memset before every launch,
-// which cost 1.0-1.6 us per call (H100, bf16, one build, in turns with torch.matmul: M = 4096,
-// K = 1024 21.2 -> 20.1 us, K = 4096 192.1 -> 191.1; M = 1024, K = 4096 51.8 -> 50.8). They
-// come from the caching allocator and stay allocated: 4 bytes per 128 rows of the most rows
-// the stream has multiplied. A stream being captured into a CUDA graph gets fresh counters
-// instead (not zero: square_matmul_handshake zeroes them on the stream), which the graph then
-// owns, since its replays may run on any stream; so does any stream past the first
-// kMaxStreams. Throws c10::OutOfMemoryError as at::empty does.
+// counters are zeroed once (when allocated or grown) instead of by a memset before every
+// launch, which costs about a microsecond per call. They come from the caching allocator and
+// stay allocated: 4 bytes per 128 rows of the most rows the stream has multiplied. A stream
+// being captured into a CUDA graph gets fresh counters instead (not zero: the kernel's launch
+// zeroes them on the stream first), which the graph then owns, since its replays may run on
+// any stream; so does any stream past the first kMaxStreams. Throws c10::OutOfMemoryError as
+// at::empty does.
 struct HandshakeCounters {
   at::Tensor ints;
   bool zero;  // all 0 already (kept for the stream)
@@ -162,43 +150,6 @@ HandshakeCounters handshake_counters(int64_t count, const c10::cuda::CUDAStream&
   return {(*kept)[key] = at::zeros({count}, options), true};
 }
 
-// x <- x @ Wv (+ bias) by the few-rows kernel (up to 64 16-bit rows, no workspace); false,
-// with nothing written, where it declines the shape or the device.
-template <typename scalar_t>
-bool run_few_rows(const at::Tensor& x, const MatmulPlan& plan, cudaStream_t stream) {
-  using T = typename DeviceType<scalar_t>::type;
-  const cudaError_t err = square_matmul_few_rows<T>(
-      device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
-      plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose, stream);
-  if (err == cudaErrorNotSupported || err == cudaErrorCooperativeLaunchTooLarge) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  C10_CUDA_CHECK(err);
-  return true;
-}
-
-// x <- x @ Wv (+ bias) with no memory of its own, as workspace_bytes=0 runs it: the few-rows
-// kernel where it takes the shape (unless `few_rows_tried` already), else the zero-workspace
-// kernel. Raises before writing anything when K is beyond the latter's shared memory; `why`
-// says why no workspace is used.
-template <typename scalar_t>
-void run_without_workspace(const at::Tensor& x, const MatmulPlan& plan, cudaStream_t stream,
-                           bool few_rows_tried, const char* why) {
-  using T = typename DeviceType<scalar_t>::type;
-  if (!few_rows_tried && run_few_rows<scalar_t>(x, plan, stream)) return;
-  int64_t max_k = 0;
-  C10_CUDA_CHECK(square_matmul_zero_ws_max_k<T>(&max_k));
-  TORCH_CHECK(plan.k <= max_k, "square_matmul_: K=", text(plan.k),
-              " is too large for the zero-workspace kernel (max ", text(max_k), " for ",
-              x.scalar_type(), " on this GPU), which is used because ", why,
-              "; allow a workspace of at least ", text(workspace_holding(plan.k * x.element_size())),
-              " bytes (one row, in the CUDA allocator's granularity)");
-  C10_CUDA_CHECK(square_matmul_zero_ws<T>(
-      device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
-      plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose, stream));
-}
-
 }  // namespace
 
 void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
@@ -213,52 +164,66 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   // every path, before anything is written.
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
     using T = typename DeviceType<scalar_t>::type;
-    const int64_t budget = allocatable_bytes(workspace_bytes);
-    // Up to 64 rows (decoding): the few-rows kernel, which needs no memory, unless the
-    // workspace holds the output and cuBLAS plus the copy back is faster (if that workspace
-    // then cannot be allocated, run_without_workspace tries the few-rows kernel after all).
-    const bool few_rows_tried = square_matmul_few_rows_suits(
-        plan.x.rows, plan.k, plan.transpose, budget >= plan.x.rows * plan.k * x.element_size());
-    if (few_rows_tried && run_few_rows<scalar_t>(x, plan, stream)) return;
-    const int64_t counters = square_matmul_handshake_counters<T>(
-        device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight), plan.transpose);
-    // The counters come from the caching allocator like any workspace, so they count
-    // against the limit (and a workspace of 0 keeps the zero-workspace kernel), kept or not.
-    if (counters > 0 && counters * static_cast<int64_t>(sizeof(int)) <= budget) {
+    T* const x_data = device_ptr<scalar_t>(x);
+    const T* const w = device_ptr<scalar_t>(plan.weight);
+    const T* const b = plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr;
+    DeviceInfo device;
+    C10_CUDA_CHECK(current_device(&device));
+    const TuningKey key = tuning_key(device, sizeof(T), plan.k);
+    SideStreamCopies pipeline(current, tuned(sm::kChunkBytes, key),
+                              tuned(sm::kChunkMinRows, key));
+    sm::Offer offer;
+    offer.workspace_bytes = allocatable_bytes(workspace_bytes);
+    offer.chunks_accurate = !chunks_lose_accuracy(x, plan, offer.workspace_bytes, pipeline);
+    const char* why = "";  // why no workspace is used, once offer.no_workspace is set
+    while (true) {
+      sm::Plan p;
+      C10_CUDA_CHECK(sm::select_square_matmul<T>(x_data, plan.x, w, plan.transpose, offer, &p));
+      int* counters = nullptr;
+      bool counters_zero = false;
       HandshakeCounters counter_ints;
-      try {
-        counter_ints = handshake_counters(counters, current);
-      } catch (const c10::OutOfMemoryError&) {
-        run_without_workspace<scalar_t>(x, plan, stream, few_rows_tried,
-                                        "the workspace could not be allocated");
-        return;
+      if (p.kernel == sm::Kernel::kCublas) {
+        why = square_matmul_with_workspace(x, plan, offer.workspace_bytes, pipeline);
+        if (why == nullptr) return;
+        offer.no_workspace = true;
+        continue;
       }
-      const cudaError_t err = square_matmul_handshake<T>(
-          device_ptr<scalar_t>(x), plan.x, device_ptr<scalar_t>(plan.weight),
-          plan.bias ? device_ptr<scalar_t>(*plan.bias) : nullptr, plan.transpose,
-          counter_ints.ints.data_ptr<int>(), counter_ints.zero, stream);
-      // Its grid must be resident at once; where fewer SMs are ours than the device has
-      // (MPS, green contexts), the launch is refused, nothing but the counters' zeroing has
-      // run (they stay 0), and cuBLAS takes over.
-      if (err != cudaErrorCooperativeLaunchTooLarge) {
-        C10_CUDA_CHECK(err);
-        return;
+      // Comes only once no workspace is to be had: the zero-workspace kernels could not take
+      // K otherwise.
+      TORCH_CHECK(p.kernel != sm::Kernel::kTooLarge, "square_matmul_: K=", text(plan.k),
+                  " is too large for the zero-workspace kernel (max ", text(p.max_k), " for ",
+                  x.scalar_type(), " on this GPU), which is used because ", why,
+                  "; allow a workspace of at least ",
+                  text(workspace_holding(plan.k * x.element_size())),
+                  " bytes (one row, in the CUDA allocator's granularity)");
+      if (p.kernel == sm::Kernel::kHandshake) {
+        // The counters come from the caching allocator like any workspace, so they count
+        // against the limit (the plan says they fit), kept or not.
+        try {
+          counter_ints = handshake_counters(p.handshake.counters, current);
+        } catch (const c10::OutOfMemoryError&) {
+          why = "the workspace could not be allocated";
+          offer.no_workspace = true;
+          continue;
+        }
+        counters = counter_ints.ints.data_ptr<int>();
+        counters_zero = counter_ints.zero;
       }
-      (void)cudaGetLastError();
+      const cudaError_t err = sm::run_square_matmul<T>(p, x_data, plan.x, w, b, plan.transpose,
+                                                       counters, counters_zero, stream);
+      // The few-rows and handshake kernels' grids must be resident at once; where fewer SMs
+      // are ours than the device has (MPS, green contexts), their launch is refused, nothing
+      // but the counters' zeroing has run (they stay 0), and the next plan runs.
+      if (err == cudaErrorCooperativeLaunchTooLarge &&
+          (p.kernel == sm::Kernel::kFewRows || p.kernel == sm::Kernel::kHandshake)) {
+        (void)cudaGetLastError();
+        (p.kernel == sm::Kernel::kFewRows ? offer.few_rows_refused : offer.handshake_refused) =
+            true;
+        continue;
+      }
+      C10_CUDA_CHECK(err);
+      return;
     }
-    SideStreamCopies pipeline(current);
-    // The zero-workspace kernel measured 0.8x torch.matmul's fp32 error there (H100).
-    if (chunks_lose_accuracy(x, plan, budget, pipeline)) {
-      int64_t max_k = 0;
-      C10_CUDA_CHECK(square_matmul_zero_ws_max_k<T>(&max_k));
-      if (plan.k <= max_k) {
-        run_without_workspace<scalar_t>(x, plan, stream, few_rows_tried,
-                                        "chunks of so few rows lose accuracy");
-        return;
-      }
-    }
-    if (const char* why = square_matmul_with_workspace(x, plan, budget, pipeline))
-      run_without_workspace<scalar_t>(x, plan, stream, few_rows_tried, why);
   });
 }
 

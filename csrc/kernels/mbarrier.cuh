@@ -1,7 +1,7 @@
 // mbarriers (sm_90+): 8-byte shared-memory barriers that count thread arrivals and, for
 // asynchronous copies (st.async, the TMA), bytes; addressed by their shared-memory address
 // (smem_u32). Shared by the cluster reduction (kernels/reduce.cuh) and the warpgroup matmul
-// kernel (kernels/square_matmul.cu). Below sm_90 the helpers are empty and never called.
+// kernels (kernels/square_matmul/). Below sm_90 the helpers are empty and never called.
 #pragma once
 
 #include <cstdint>
@@ -50,8 +50,8 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 // Arrives on the barrier at the same shared address in CTA `rank` of the cluster (this CTA
 // too). The arrive's default release is at CTA scope: enough where what it orders has already
 // been seen complete (the warpgroup kernel's MMAs' reads of a stage, after wgmma_wait). A
-// cluster-scope release (.release.cluster) waits for the thread's every earlier write to
-// reach the cluster: with it, the H100 ran the warpgroup kernel 1.3-1.7x slower.
+// cluster-scope release (.release.cluster) would wait for the thread's every earlier write
+// to reach the cluster, which slows the warpgroup kernel down.
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
 #if MTI_MBARRIER
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(map_to_rank(bar, rank))

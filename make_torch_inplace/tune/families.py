@@ -2,4 +2,8 @@
 
 from __future__ import annotations
 
-ALL: list = []
+from . import square_matmul
+
+ALL: list = [
+    *square_matmul.PARAMETERS,
+]
