@@ -2,4 +2,8 @@
 
 from __future__ import annotations
 
-ALL: list = []
+from . import rowwise
+
+ALL: list = [
+    *rowwise.PARAMETERS,
+]
