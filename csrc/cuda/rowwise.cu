@@ -1,11 +1,10 @@
 // CUDA host functions of softmax_ / log_softmax_, layer_norm_ and rms_norm_: plan (all checks,
 // before any byte of x is written), then dispatch on dtype and launch the torch-free kernels
-// of csrc/kernels/.
+// of csrc/kernels/rowwise/.
 #include "common/plans.h"
 #include "cuda/cuda_ops.h"
 #include "cuda/dispatch.h"
-#include "kernels/norm.h"
-#include "kernels/softmax.h"
+#include "kernels/rowwise/rowwise.h"
 
 namespace mti::cuda {
 

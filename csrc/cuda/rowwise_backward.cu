@@ -1,10 +1,10 @@
 // CUDA host functions of softmax_backward and norm_backward: plan (all checks, before any
 // byte is written), then dispatch on dtype and launch the torch-free kernels of
-// csrc/kernels/rowwise_backward.cu.
+// csrc/kernels/rowwise/.
 #include "common/plans.h"
 #include "cuda/cuda_ops.h"
 #include "cuda/dispatch.h"
-#include "kernels/rowwise_backward.h"
+#include "kernels/rowwise/rowwise.h"
 
 namespace mti::cuda {
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from . import square_matmul
+from . import rowwise, square_matmul
 
 ALL: list = [
+    *rowwise.PARAMETERS,
     *square_matmul.PARAMETERS,
 ]

@@ -1,14 +1,14 @@
-// softmax / log_softmax over rows, written over the input: the op functor for the row-wise
-// framework in kernels/rowwise.cuh, and its launcher.
-#include "kernels/softmax.h"
+// softmax / log_softmax over rows, written over the input: the op functor for the forward
+// kernel (forward.cuh), and its launcher.
+#include "kernels/rowwise/rowwise.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <type_traits>
 
-#include "kernels/rowwise.cuh"
-#include "kernels/softmax_rows.cuh"
+#include "kernels/rowwise/forward.cuh"
+#include "kernels/rowwise/softmax_rows.cuh"
 
 namespace mti {
 namespace {
@@ -29,7 +29,7 @@ struct MaxSum {
   // be exp(0) = 1 exactly), so only the other side is rescaled. Swapping a and b takes the
   // other branch with the same operands, so the bits do not depend on the order; with equal
   // maxima both branches add a.s and b.s (the factor is exactly 1). _rn intrinsics: no FMA
-  // contraction that could differ between the two branches (see kernels/reduce.cuh).
+  // contraction that could differ between the two branches (see reduce.cuh).
   // expf, not __expf: partial sums of fp32 rows need it, and it runs once per merge.
   static __device__ __forceinline__ MaxSum combine(const MaxSum& a, const MaxSum& b) {
     const float m = fmaxf(a.m, b.m);
@@ -63,7 +63,6 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   using State = MaxSum;
   using MaskT = typename Rows::template MaskOf<T>;
   // Rows of a CTA: kWarpRegs values per thread, more threads per row than 64 would give.
-  // Measured on an H100 (bf16, N = 2048-8192): 0.93-0.97x of a copy, 0.92-0.95x with 64.
   template <typename>
   static constexpr int kCtaRowRegs = kWarpRegs;
   // An unread column (causal limit, past the end) is a masked one.
@@ -95,7 +94,7 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
                                            int cnt) const {
     // A bool mask is usually broadcast over the batch (and heads): kept in L2 for the rows
     // that share it. (Not the additive one: its vectors are as wide as x's, and the largest
-    // kernels then spilled, 4-12 bytes on sm_80 and sm_90a.)
+    // kernels then spilled on sm_80 and sm_90a.)
     if constexpr (kMask == MaskKind::kAdditive) {
       a = cnt > 0 ? load_vec<VEC>(rc.mask, c0, mask_col_stride) : Aux<VEC>{};
     } else if constexpr (kMask == MaskKind::kBool) {

@@ -1,5 +1,5 @@
-// What the forward and backward softmax kernels share: how a row is scaled and masked
-// (kernels/softmax.cu, kernels/rowwise_backward.cu).
+// What the forward and backward softmax ops share: how a row is scaled and masked
+// (softmax_forward.cu, softmax_backward.cu).
 #pragma once
 
 #include <cstdint>
@@ -7,7 +7,7 @@
 
 #include "kernels/common.cuh"
 #include "kernels/row_layout.h"
-#include "kernels/rowwise.cuh"
+#include "kernels/rowwise/framework.cuh"
 
 namespace mti {
 

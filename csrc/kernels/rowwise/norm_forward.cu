@@ -1,13 +1,13 @@
-// LayerNorm and RMSNorm over rows, written over the input: the op functors for the row-wise
-// framework in kernels/rowwise.cuh, and their launchers.
-#include "kernels/norm.h"
+// LayerNorm and RMSNorm over rows, written over the input: the op functors for the forward
+// kernel (forward.cuh), and their launchers.
+#include "kernels/rowwise/rowwise.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <type_traits>
 
-#include "kernels/rowwise.cuh"
+#include "kernels/rowwise/forward.cuh"
 
 namespace mti {
 namespace {
@@ -25,7 +25,7 @@ struct MeanM2 {
     if (b.n == 0.f) return a;
     // mean = a.mean + delta * b.n / n, written symmetrically in (a, b) as the midpoint plus a
     // correction, and with _rn intrinsics against FMA contraction: the bits must not depend
-    // on the argument order (see kernels/reduce.cuh). The midpoint keeps the rounding error
+    // on the argument order (see reduce.cuh). The midpoint keeps the rounding error
     // at that of the mean itself, where n_a*mean_a + n_b*mean_b would add that of the sums.
     const float n = __fadd_rn(a.n, b.n);
     const float delta = __fsub_rn(b.mean, a.mean);
@@ -72,7 +72,7 @@ __device__ __forceinline__ float two_sum(float a, float b, float& err) {
 }
 
 // A count and an exact sum carried as an unevaluated hi + lo: TwoSum's error is exact, so the
-// merge is symmetric in (a, b) to the bit, as kernels/reduce.cuh needs.
+// merge is symmetric in (a, b) to the bit, as reduce.cuh needs.
 struct CountSum {
   float n, hi, lo;
 
@@ -90,15 +90,13 @@ struct CountSum {
 
 // MeanM2 relative to a pivot, with the sum of x - pivot carried as hi + lo instead of the
 // mean. A mean relative to the pivot rounds at |mean - pivot|, which exceeds |mean| when the
-// pivot is an outlier: an fp32 row of 62 with x[0] = -2.96 and mean 0.33 had its mean off
-// by 2.6e-7 and its weight gradient by 6x PyTorch's error (H100). Sums add exactly as a
-// TwoSum, so the mean is then rounded once, in finish(), at its own magnitude (emulated in
-// float32 on that row: 1e-9). m2's merges take each part's mean from hi alone: an error e in
-// the difference delta of two means adds about 2 delta e n_a n_b / n to m2, first order in e,
-// so hi must hold the part's sum to about its own rounding, which it does as long as local()
-// sums x - pivot (stop 55 summed x itself, with the rounding at |x| left in hi and its
-// correction in lo: an fp32 row of 50 at offset 1000 got rstd 8.5e-6 off, 2.2x PyTorch's
-// error; see benchmarks/results/rowwise_cluster_profile.md).
+// pivot is an outlier (its weight gradient then erred several times PyTorch's error). Sums
+// add exactly as a TwoSum, so the mean is then rounded once, in finish(), at its own
+// magnitude. m2's merges take each part's mean from hi alone: an error e in the difference
+// delta of two means adds about 2 delta e n_a n_b / n to m2, first order in e, so hi must
+// hold the part's sum to about its own rounding, which it does as long as local() sums
+// x - pivot (summing x itself left the rounding at |x| in hi, and rows at a large offset got
+// rstd off by twice PyTorch's error).
 struct PivotSums {
   float n, hi, lo, m2;
 
@@ -124,8 +122,7 @@ struct PivotSums {
   // division, no branch), then m2 about the mean those give, each chunk adding its m2 and
   // n * (its mean - that mean)^2. The row's mean need only be rough: its error e adds n e^2
   // to m2 (the chunks' deviations from the exact mean sum to 0); each chunk's own mean must
-  // be as good as in combine(). H100, forward, ratio to a copy, against five combine()s:
-  // 0.953 -> 0.965 at N = 8192, +0.3-0.6% at 16384-262144 (0.804 -> 0.810), unchanged below.
+  // be as good as in combine().
   static __device__ __forceinline__ PivotSums allreduce_chunks(const PivotSums& s, int width) {
     const CountSum t = warp_allreduce(CountSum{s.n, s.hi, s.lo}, width);
     if (t.n == 0.f) return identity();
@@ -168,9 +165,7 @@ struct NormOpBase {
   // 1 / sqrt(sq / n + eps) for a row's sum of squares (about its mean for LayerNorm), once
   // per row; correctly rounded (not the 2-ulp __fdividef / rsqrtf), since the backward
   // recovers x_hat from y and reads rstd. An fp32 row computes it in double: the quotient's
-  // and the sum's roundings in fp32 put rstd a further ulp off, which an fp32 output shows
-  // (H100, LayerNorm of one row of 3 with a weight: 1.14e-7 against PyTorch's 5.1e-9, which
-  // PyTorch's CPU kernel also reaches; 5.1e-9 in double, emulated on the CPU).
+  // and the sum's roundings in fp32 put rstd a further ulp off, which an fp32 output shows.
   __device__ __forceinline__ float rstd_of(float sq) const {
     if constexpr (sizeof(T) == 4)
       return static_cast<float>(1.0 / sqrt(fmax(static_cast<double>(sq) / n, 0.0) + eps));
@@ -185,22 +180,18 @@ using LayerNormState = std::conditional_t<sizeof(T) == 4, PivotSums, MeanM2>;
 
 template <typename T>
 struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
-  // 16-bit rows of a CTA: 64 values per thread, twice the bytes in flight per thread (and
-  // half the warps to reduce over) of kWarpRegs. Measured on an H100 (bf16, N = 2048-8192,
-  // when these rows cached their params): 0.91-0.93x of a copy, 0.85-0.91x with kWarpRegs;
-  // softmax and RMSNorm ran 1-4% faster with kWarpRegs.
   template <typename U>
-  static constexpr int kCtaRowRegs = sizeof(U) == 2 ? 64 : kWarpRegs;
+  static constexpr int kCtaRowRegs = layer_norm_cta_row_regs(sizeof(U));
   // An fp32 row is reduced relative to its first element (the pivot): with a large common
   // offset the statistics then keep their precision, and the mean never has to be rounded at
   // the offset's magnitude. local() subtracts the pivot on the fly and output() subtracts
   // pivot + mean as an exact sum from x itself: normalizing a rounded x - pivot adds a
-  // rounding of the size of x - pivot, which measured 3.2x PyTorch's error (H100, fp32, a row
-  // of 630). A 16-bit row needs no pivot: unless they are all equal, its values are at most
+  // rounding of the size of x - pivot, several times PyTorch's error. A 16-bit row needs no
+  // pivot: unless they are all equal, its values are at most
   // 2^8 (bf16) or 2^11 (fp16) times their spread (max - min), so the fp32 mean's rounding at
   // the offset's magnitude stays far below a 16-bit output's; equal values have exactly
-  // their value as mean (see local()). Without it (a load and a subtraction per element less)
-  // bf16 LayerNorm ran 3-4% faster at N = 256-16384 on an H100, 0.92-0.93x of a copy.
+  // their value as mean (see local()); without it a 16-bit row saves a load and a
+  // subtraction per element.
   static constexpr bool kPivot = sizeof(T) == 4;
   struct Row {
     int64_t load_end;
@@ -232,7 +223,7 @@ struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
     // The quotient refined by one Newton step on its exact (FMA) residual, so that a chunk of
     // equal values has exactly their value as its mean and m2 = 0: a 16-bit row of equal
     // values (no pivot) otherwise got a variance of a few ulps of the mean and outputs off by
-    // that times rstd (H100, bf16 rows of 1000: 0.03). IEEE division (__fdiv_rn) spilled.
+    // that times rstd. IEEE division (__fdiv_rn) spilled.
     const float inv = __fdividef(1.f, cnt);
     float mean = sum * inv;
     mean = fmaf(fmaf(-mean, cnt, sum), inv, mean);
@@ -254,10 +245,9 @@ struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
       return {cnt, mean, m2};
     } else {
       // With a pivot the sum above rounded at |x - pivot|, which is the row's spread (or more)
-      // where the pivot is an outlier: an fp32 row of 16 with x[0] = 1.46 and mean -0.13 was
-      // off by 4.8x PyTorch's error (H100). The deviations' sum is that rounding error times
-      // cnt; the corrected two-pass statistics take it out (emulated in float32 on that row:
-      // PyTorch's error). The chunk's sum of x - pivot is then, exactly up to dsum's own
+      // where the pivot is an outlier (several times PyTorch's error). The deviations' sum is
+      // that rounding error times cnt; the corrected two-pass statistics take it out. The
+      // chunk's sum of x - pivot is then, exactly up to dsum's own
       // rounding (at the deviations' size), cnt * (mean - center_err) + dsum, the product's
       // error from an FMA.
       const float hi = __fmul_rn(cnt, mean);
@@ -330,11 +320,10 @@ struct RmsNormOp : NormOpBase<T, Sum, 1> {  // the sum of squares
 
   // fp32 on sm_90+: x * rstd * weight rounded once (x * rstd's rounding error, taken exactly
   // by an FMA, is carried into the product with the weight), where two products round twice.
-  // The backward recovers x_hat as y / weight, so y's rounding reaches the gradients: the
-  // weight gradient of an 8-wide fp32 row (test_backward's example with seed 2353) erred
-  // 8.4e-7 with two roundings, 1.2e-7 with one, PyTorch's 1.2e-7 (its bound there 8.4e-7).
-  // Builds for sm_75-sm_89 keep the two roundings: there the kernel that holds 64 values per
-  // thread and caches the weight spilled 4-16 bytes with the FMA's operands. 16-bit outputs
+  // The backward recovers x_hat as y / weight, so y's rounding reaches the gradients (two
+  // roundings failed test_backward's bound on an 8-wide fp32 row). Builds for sm_75-sm_89
+  // keep the two roundings: there the kernel that holds 64 values per thread and caches the
+  // weight spilled with the FMA's operands. 16-bit outputs
   // round far coarser than either.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static constexpr bool kOneRounding = sizeof(T) == 4;

@@ -1,6 +1,6 @@
 // All-reductions of per-thread partial states over the threads that share one row: a group of
 // lanes inside a warp, a whole CTA, or a cluster of CTAs linked by distributed shared memory
-// (sm_90+). Shared by the softmax and norm kernels through kernels/rowwise.cuh.
+// (sm_90+). Shared by the row-wise kernels through rowwise/framework.cuh.
 //
 // A reduction state S is a trivially constructible struct of floats providing
 //   static S identity();
@@ -19,21 +19,15 @@
 
 #include "kernels/common.cuh"
 #include "kernels/mbarrier.cuh"
+#include "kernels/rowwise/tuning.h"
 
 namespace mti {
-
-constexpr int kWarpSize = 32;
-// Largest CTA of the row-wise kernels but the backward's large ones (kLargeCtaThreads in
-// kernels/rowwise_backward.cu).
-constexpr int kMaxThreads = 256;
-constexpr int kMaxWarps = kMaxThreads / kWarpSize;
-constexpr int kMaxCluster = 16;   // 16 needs the non-portable cluster size opt-in (sm_90)
 
 // Reduces over aligned groups of `width` lanes (a power of two <= 32); every lane of the warp
 // must call it, and every lane ends with its group's total. Each member of the state travels
 // in its own type (a state of doubles is not rounded to float on the way). The steps are
 // unrolled, each skipped past the width: a loop over a width known only at run time cost
-// twice the instructions of its shuffles and adds (bf16 LayerNorm backward on an H100).
+// twice the instructions of its shuffles and adds.
 template <class S>
 __device__ __forceinline__ S warp_allreduce(S s, int width) {
 #pragma unroll
@@ -124,7 +118,7 @@ struct HasChunkAllreduce<
 // warp_allreduce of the states of the threads' own chunks of a row, where a state may bring
 // an all-reduction of its own for that first level (S::allreduce_chunks(s, width), with
 // warp_allreduce's contract), one that may rely on each chunk holding few values: the
-// forward kernels call it for chunks held in registers only (kernels/rowwise.cuh).
+// forward kernel calls it for chunks held in registers only (rowwise/forward.cuh).
 template <class S>
 __device__ __forceinline__ S warp_allreduce_chunks(const S& s, int width) {
   if constexpr (HasChunkAllreduce<S>::value)
@@ -204,9 +198,8 @@ __device__ __forceinline__ void cluster_exchange_init(ClusterExchange<S>& ex) {
 // folded by a butterfly in every aligned group of `width` lanes, the cluster size rounded up
 // to a power of two (lane i takes rank i % width's total, or the identity past the last
 // rank), log2(width) combines deep, which leaves the same bits in every lane of every CTA
-// (see cta_allreduce). A chain of cluster - 1 combines in rank order was as deep as the
-// cluster is wide: softmax's combine runs an exp, and H100 bf16 softmax at N = 262144 (16
-// CTAs) ran at 0.62x of a copy's bandwidth with the chain, 0.79x with the butterfly.
+// (see cta_allreduce), where a chain of combines in rank order would be as deep as the cluster
+// is wide (softmax's combine runs an exp).
 template <class S>
 __device__ __forceinline__ S cluster_allreduce(const S& cta_total, ClusterExchange<S>& ex,
                                                unsigned use, int rank, int cluster) {

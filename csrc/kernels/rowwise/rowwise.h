@@ -1,7 +1,8 @@
-// Launchers of the backward kernels of softmax_ / log_softmax_ and layer_norm_ / rms_norm_
-// (torch-free; kernels/rowwise_backward.cu). They read y (the forward's output) and grad and
-// write grad_x, never y or grad; float32, float16 and bfloat16 (explicitly instantiated), fp32
-// arithmetic. Each returns cudaGetLastError() after its launches.
+// Launchers of the row-wise kernels (torch-free): softmax_ / log_softmax_, layer_norm_ and
+// rms_norm_ over rows, written over the input, and their backward passes, which read y (the
+// forward's output) and grad and write grad_x, never y or grad. Float32, float16 and bfloat16
+// (explicitly instantiated in softmax_forward.cu, norm_forward.cu, softmax_backward.cu and
+// norm_backward.cu), fp32 arithmetic. Each returns cudaGetLastError() after its launches.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +12,30 @@
 #include "kernels/row_layout.h"
 
 namespace mti {
+
+// Each row of `layout` <- softmax(z) (log_softmax(z) when params.log) with
+// z = x * params.scale, plus the mask: mask_layout.kind kBool: `mask` holds bytes, nonzero =
+// takes part, others get z = -inf; kAdditive: `mask` holds T values added to z (-inf masks
+// too); kNone: `mask` is unused. params.causal additionally masks column j of row r when
+// j > r % params.q_len. Masked elements become 0 (-inf for log_softmax); a row in which
+// nothing takes part becomes all zeros.
+template <typename T>
+cudaError_t launch_softmax(T* x, const RowLayout& layout, const void* mask,
+                           const MaskLayout& mask_layout, const SoftmaxParams& params,
+                           cudaStream_t stream);
+
+// Each row of `layout` <- (x - mean) * rstd * weight + bias, rstd = 1 / sqrt(var + eps) with
+// the biased variance (F.layer_norm). weight and bias: nullptr or n contiguous elements.
+// rstd_out: nullptr or `rows` floats that receive each row's rstd.
+template <typename T>
+cudaError_t launch_layer_norm(T* x, const RowLayout& layout, const T* weight, const T* bias,
+                              float eps, float* rstd_out, cudaStream_t stream);
+
+// Each row of `layout` <- x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps) (F.rms_norm).
+// weight and rstd_out as for launch_layer_norm.
+template <typename T>
+cudaError_t launch_rms_norm(T* x, const RowLayout& layout, const T* weight, float eps,
+                            float* rstd_out, cudaStream_t stream);
 
 // grad_x <- scale * dz per row, dz = y * (grad - sum(grad * y) / sum(y)) (softmax) or
 // grad - exp(y) * sum(grad) / sum(exp(y)) (params.log), the sums over the whole row; 0 where
