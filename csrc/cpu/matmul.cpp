@@ -15,7 +15,7 @@ namespace {
 // y[j] = sum_k row[k] * W[k, j] (or W[j, k] when transposed) + bias[j], written over row.
 // The row is first read into a buffer, so writing the outputs cannot disturb the inputs.
 // Sums run in double: a sequential fp32 dot product of K terms errs several times more than
-// the blocked GEMM of the workspace path (10x at K = 4097).
+// the blocked GEMM of the workspace path.
 template <typename scalar_t>
 void matmul_rows_no_workspace(scalar_t* x, const RowLayout& L, const scalar_t* w,
                               const scalar_t* bias, bool transpose) {
