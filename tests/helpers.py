@@ -26,6 +26,18 @@ HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
+
+def device_params(cases, cpu):
+    """(device, case) params for parametrize("device,<name>", ...): every case on CUDA, where
+    each takes a kernel path of its own, and on the CPU only the cases in `cpu`, for cases
+    that the CPU backend runs on the same path as those. `cases`: values, or a dict of
+    id -> value."""
+    named = cases if isinstance(cases, dict) else {str(v): v for v in cases}
+    return ([pytest.param("cpu", v, id=f"cpu-{k}") for k, v in named.items() if v in cpu]
+            + [pytest.param("cuda", v, id=f"cuda-{k}", marks=requires_cuda)
+               for k, v in named.items()])
+
+
 # Row widths the issue names: 1, tiny odd, just under a power of two, not a multiple of any
 # vector width, and just over a power of two.
 ODD_WIDTHS = (1, 3, 255, 1000, 4097)
@@ -36,6 +48,10 @@ ODD_WIDTHS = (1, 3, 255, 1000, 4097)
 # takes the cluster path there), full, the first column past them, a stashed step half full, a
 # cluster whose last CTA holds one vector, and the same with a cluster of four.
 LONG_ROW_WIDTHS = (14344, 16384, 16392, 24576, 32768, 32776, 65544)
+# The CPU backend runs rows of any width on one path, a row at a time in parallel tasks of
+# 32768 // width rows (at least one): of those widths, one of two rows a task and one of one.
+CPU_LONG_ROW_WIDTHS = (14344, 16392)
+
 
 # Fills the buffer around a strided input, so that a stray write shows up.
 SENTINEL = 123.0

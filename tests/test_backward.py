@@ -20,6 +20,7 @@ from helpers import (
     Untouched,
     assert_accurate,
     bitwise_equal,
+    device_params,
     examples,
     lead_shapes,
     output_grad,
@@ -185,7 +186,8 @@ def norm_case(device, dtype, shape, k, seed, weight, bias):
 # gradient is a cancellation (RMSNorm of one element: rstd * g_hat * (1 - x_hat^2)) in which
 # the rounding already in y outweighs PyTorch's error from x (ops.py documents the
 # precision of recovering x_hat).
-# 70000: streamed rows whose weight and bias gradient sums no longer fit in shared memory.
+# 70000: streamed rows whose weight and bias gradient sums no longer fit in shared memory
+# (on the CPU the same path as 20000: test_norm_grads_widths runs it on CUDA only).
 NORM_WIDTHS = tuple(n for n in PATH_WIDTHS + ODD_WIDTHS if n >= 8) + (70000,)
 
 
@@ -214,10 +216,9 @@ def test_norm_grads(device, dtype, lead, n, seed, weight, bias, rms):
         check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
 
 
-@pytest.mark.parametrize("n", NORM_WIDTHS)
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,n", device_params(NORM_WIDTHS, NORM_WIDTHS[:-1]))
 def test_norm_grads_widths(device, dtype, rms, n):
     x, normalized, w, b = norm_case(device, dtype, (5, n), 1, n, True, not rms)
     if rms:
@@ -226,11 +227,13 @@ def test_norm_grads_widths(device, dtype, rms, n):
         check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
 
 
-@pytest.mark.parametrize("shape", [(3000, 24), (3000, 23), (3001, 1000), (3001, 1200),
-                                   (600, 8200), (600, 8201)],
-                         ids=["lanes", "lanes_scalar", "warps", "warps_uneven", "cluster",
-                              "streamed"])
-@pytest.mark.parametrize("device", DEVICES)
+MANY_ROWS = {"lanes": (3000, 24), "lanes_scalar": (3000, 23), "warps": (3001, 1000),
+             "warps_uneven": (3001, 1200), "cluster": (600, 8200), "streamed": (600, 8201)}
+
+
+# On the CPU, which sums the parameter gradients over all rows in blocks of 64 columns on one
+# path for every shape: rows shorter than a block, and rows of several blocks and part of one.
+@pytest.mark.parametrize("device,shape", device_params(MANY_ROWS, [(3000, 23), (3001, 1000)]))
 def test_norm_grads_many_rows(device, shape):
     """Many rows: the weight and bias gradients sum partials of many groups of rows (each
     CTA or cluster sums several rows, in registers when resident, in shared memory when

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import make_torch_inplace as mti
 from helpers import (
+    CPU_LONG_ROW_WIDTHS,
     DEVICES,
     DTYPE_PARAMS,
     LAYOUTS,
@@ -18,6 +19,7 @@ from helpers import (
     ROW_STRIDED_LAYOUTS,
     assert_accurate,
     check_op,
+    device_params,
     examples,
     lead_shapes,
     numel,
@@ -150,9 +152,8 @@ def test_wide_rows(device, dtype):
         check_rms_norm(device, dtype, (rows,), (262144,), layout, 23, True, None)
 
 
-@pytest.mark.parametrize("n", LONG_ROW_WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,n", device_params(LONG_ROW_WIDTHS, CPU_LONG_ROW_WIDTHS))
 def test_long_row_paths(device, dtype, n):
     """Rows at the edges of the long-row paths, where a CTA's last step, stashed or in
     registers, is empty or partly full, with each param cached or not."""
@@ -162,9 +163,10 @@ def test_long_row_paths(device, dtype, n):
     check_rms_norm(device, dtype, (3,), (n,), "contiguous", 52, True, None)
 
 
-@pytest.mark.parametrize("n", [2048, 8192, 16384, 40960, 262144])
+# On the CPU, whose one path serves every width, rows of 262144 are left to test_wide_rows.
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,n", device_params((2048, 8192, 16384, 40960, 262144),
+                                                   (2048, 8192, 16384, 40960)))
 def test_params_over_many_rows(device, dtype, n):
     """Rows that a CTA or a cluster of CTAs holds, more of them than run at once: on CUDA a
     thread then reads the weight and bias of its columns once (into shared memory, those up

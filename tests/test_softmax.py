@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 import make_torch_inplace as mti
 from helpers import (
     DEVICES,
+    CPU_LONG_ROW_WIDTHS,
     DTYPE_PARAMS,
     LAYOUTS,
     LONG_ROW_WIDTHS,
     check_op,
+    device_params,
     examples,
     lead_shapes,
     randn,
@@ -189,10 +191,9 @@ def test_cluster_rows_many_per_cluster(device, dtype, log):
     check_softmax(device, dtype, log, (many, 32776), seed=18, mask=mask, causal=True)
 
 
-@pytest.mark.parametrize("n", LONG_ROW_WIDTHS)
 @pytest.mark.parametrize("log", LOG_PARAMS)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,n", device_params(LONG_ROW_WIDTHS, CPU_LONG_ROW_WIDTHS))
 def test_long_row_paths(device, dtype, log, n):
     """Rows at the edges of the long-row paths, where a CTA's last step, stashed or in
     registers, is empty or partly full; causal rows end inside either step."""
