@@ -11,7 +11,7 @@ and the largest difference of the converted model's output from the unconverted 
 The goals printed at the end: eager+convert peak <= 0.5x eager at seq >= 4096 with latency
 <= 1.1x; sdpa+convert peak < sdpa with latency <= 1.05x.
 
-    python benchmarks/bench_e2e.py                 # full sweep, CUDA (a few minutes on an H100)
+    python benchmarks/bench_e2e.py                 # full sweep, CUDA (a few minutes)
     python benchmarks/bench_e2e.py --quick         # Llama, seq 512 and 1024
     python benchmarks/bench_e2e.py --tiny --device cpu   # code-path check with tiny configs
 
@@ -159,10 +159,9 @@ def make_inputs(name: str, batch: int, seq: int, size: Size, device, dtype) -> t
 
 # Timing rounds per case: the model as is and converted take turns, each round a time_ms of
 # each (the same total time, split). A model this small at batch 1 is bound by its host time,
-# and that followed the host's speed on the H100 machines here, which drifted between
-# consecutive measurements by up to 1.5x; taking turns exposes both variants to the same
-# drift, and the median over the rounds drops the rounds it hit. With 5 rounds a drift that
-# lasted three of them still moved single cells by 1.5-2.5x (block, batch 1, seq 512-1024).
+# which follows the host's speed, and that drifts between consecutive measurements; taking
+# turns exposes both variants to the same drift, and the median over the rounds drops the
+# rounds it hit, as long as a drift lasts fewer than half of them.
 ROUNDS = 15
 
 

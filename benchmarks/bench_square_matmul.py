@@ -6,17 +6,16 @@ chunk of rows at a time, copied back) and "zero_workspace" (workspace_bytes=0: t
 needs no memory at all).
 torch.matmul is out of place ("out_of_place"; with a bias it is torch.addmm, as in F.linear);
 for M <= 64 also "matmul+copy_", which writes the result back over x as our default mode does.
-Each of our modes takes turns call by call with the baseline of its goal (common.time_alternating),
-so that the H100's clocks, which drift under its power cap, weigh on both alike, and each takes
-every place in a turn equally often; ms is the mean over the places of the median of its
-calls at each (common.place_median), over at least MIN_TURNS turns. For M <= 64 the default
-mode's turns also hold a second, identical matmul + copy_, the control: its time (control_ms
-in the matmul+copy_ record) against matmul + copy_'s shows how far apart identical calls read
-(H100, 16 rows, K = 4096: 0.967-1.040 in turns of two, so the control makes them turns of
-three, in which they read within 1% over the whole small-M grid). For M <= 64, GPU time
-only: each call is queued behind a GPU wait longer than its host time, since calls of ~10 us
-are host-bound and would otherwise take in part of the host time of whichever fn took
-longer (host time is not measured). TFLOP/s = 2 M N^2 / ms.
+Each of our modes takes turns call by call with the baseline of its goal
+(common.time_alternating), so that the GPU's clocks, which drift under its power cap, weigh on
+both alike, and each takes every place in a turn equally often; ms is the mean over the places
+of the median of its calls at each (common.place_median), over at least MIN_TURNS turns. For
+M <= 64 the default mode's turns also hold a second, identical matmul + copy_, the control:
+its time (control_ms in the matmul+copy_ record) against matmul + copy_'s shows how far apart
+identical calls read (turns of three also keep them closer than turns of two). For M <= 64,
+GPU time only: each call is queued behind a GPU wait longer than its host time, since calls
+of ~10 us are host-bound and would otherwise take in part of the host time of whichever fn
+took longer (host time is not measured). TFLOP/s = 2 M N^2 / ms.
 peak_extra_bytes: the caching allocator's peak above what was allocated before the call (the
 output for torch.matmul, the workspace for ours).
 
@@ -125,13 +124,10 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
 
     # Each of our modes is timed in turns with the baseline its goal names (matmul + copy_ for
     # the small-M default mode, else torch.matmul), two fns at a time (with the control, see
-    # the module docstring, three for the small-M default mode): what else shares the
-    # turns moves a call's time too (H100, one row, N = 2048, bf16: ours 12.0 us and
-    # matmul + copy_ 13.4 in turns of the two, 13.1 and 12.2 in turns of four with the
-    # zero-workspace mode and torch.matmul; the same cuBLAS kernel and copy in both). A
-    # baseline no mode was paired with takes turns with torch.matmul (torch.matmul itself,
-    # when no mode runs, is timed alone). W is orthogonal: the calls of every mode keep x's
-    # scale.
+    # the module docstring, three for the small-M default mode): what else shares the turns
+    # moves a call's time too, even between calls of the same kernels. A baseline no mode was
+    # paired with takes turns with torch.matmul (torch.matmul itself, when no mode runs, is
+    # timed alone). W is orthogonal: the calls of every mode keep x's scale.
     oop = ("torch.matmul", "out_of_place")
     goal = ("torch.matmul", "matmul+copy_") if m <= SMALL_M else oop
     control = ("torch.matmul", "control")  # matmul + copy_ again (see the module docstring)

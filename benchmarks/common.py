@@ -2,7 +2,8 @@
 
 Every benchmark records the same environment fields (env_info), times with the same median
 (time_ms), measures memory the same way (peak_extra_bytes) and writes its results to
-benchmarks/results/<gpu>/<name>.json and .md (<gpu>: h100, h200, ..., or cpu; or to $MTI_RESULTS_DIR).
+benchmarks/results/<gpu>/<name>.json and .md (<gpu>: h100, h200, ..., or cpu), or to
+$MTI_RESULTS_DIR when set.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def time_ms(
     gpu_only (CUDA): the GPU's time alone. Each timed call is queued behind a GPU wait longer
     than the call's host time, so that all of its kernels are queued by the time the start
     event runs; otherwise a call whose host work (autograd's, say) outlasts the L2 flush that
-    precedes it counts the GPU's idle wait for its first launch (H100, bf16 backward of the
-    row-wise ops: cells at 0.3-0.8x of their neighbours on a busy host).
+    precedes it counts the GPU's idle wait for its first launch, which varies with how busy
+    the host is.
     """
     device = torch.device(device) if device is not None else best_device()
     if device.type == "cuda":
@@ -136,20 +137,16 @@ def time_alternating(
     place_median.
 
     Each call is timed as time_ms times it (CUDA: events around it, L2 flushed before it; CPU:
-    perf_counter). Calls side by side see the same state of the machine: an H100 under its
-    power cap changes its clocks by 10-15% over tens of milliseconds, for every kernel alike,
-    and the host's speed drifts too; timed one after the other, each fn would get whichever
-    state its turn met (H100, bf16 square_matmul_ against torch.matmul at M = 16384,
-    N = 4096: 60 calls of each in blocks read 0.70-0.79 ms for either, by block). Every fn
-    takes every place equally often because the place weighs on a call's time by itself
-    (H100: the same GEMM and copy of one row, N = 2048, bf16, read 13.4 us first in a turn of
-    three, 14.6 second, 12.7 third, the same in every repetition).
+    perf_counter). Calls side by side see the same state of the machine: a GPU under its
+    power cap changes its clocks over tens of milliseconds, for every kernel alike, and the
+    host's speed drifts too; timed one after the other, each fn would get whichever state its
+    turn met. Every fn takes every place equally often because the place in a turn weighs on
+    a call's time by itself, the same way in every repetition.
 
     gpu_only (CUDA): as time_ms's, each call queued behind a GPU wait longer than its host
     time. Calls of a few microseconds of GPU work are host-bound otherwise, and a call's time
-    then takes in whatever part of its host time the GPU waited for (H100, square_matmul_ of
-    16-64 rows: the same cuBLAS GEMM and copy read 0.87-0.90x of matmul + copy_, whose
-    host time was 8-10 us shorter).
+    then takes in whatever part of its host time the GPU waited for: the same kernels would
+    read differently behind different host code.
     """
     device = torch.device(device) if device is not None else best_device()
     cuda = device.type == "cuda"

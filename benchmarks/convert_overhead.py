@@ -20,8 +20,8 @@ Median microseconds per call over --rounds rounds of --calls calls each, variant
 so that drift of the host's speed hits each alike. On the CPU by default, with one thread;
 with --device cuda, each round ends with a synchronize, and at the default sizes the GPU keeps
 up, so the numbers are host time there too. bench_e2e's block (hidden 2048, bf16) keeps the
-GPU busy longer than the host at seq 512 in fp32 (1.3 ms a call on an H100, all variants
-alike); with --dtype bfloat16 and a short --seq it shows that block's host time on a GPU.
+GPU busy longer than the host at seq 512 in fp32 (all variants alike); with --dtype bfloat16
+and a short --seq it shows that block's host time on a GPU.
 
     python benchmarks/convert_overhead.py [--hidden 64] [--seq 4] [--attn sdpa] [--no-grad]
                                           [--device cpu|cuda] [--dtype float32|bfloat16|float16]

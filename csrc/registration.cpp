@@ -26,7 +26,8 @@ TORCH_LIBRARY(make_torch_inplace, m) {
   //
   // softmax_'s backward: grad_x <- scale * dz, dz = y * (grad - sum(grad * y) / sum(y))
   // (softmax) or grad - exp(y) * sum(grad) / sum(exp(y)) (log, sums over the whole row);
-  // elements masked by `mask` or `causal` (as in softmax_) get 0. grad_x: y's shape and dtype, not overlapping y or grad.
+  // elements masked by `mask` or `causal` (as in softmax_) get 0. grad_x: y's shape and dtype,
+  // not overlapping y or grad.
   m.def("softmax_backward(Tensor y, Tensor grad, int dim, float scale, Tensor? mask, "
         "bool causal, bool log, Tensor(a!) grad_x) -> ()");
   // layer_norm_'s (rms false) / rms_norm_'s (rms true, bias None) backward from y, the rstd

@@ -1,27 +1,36 @@
 #!/usr/bin/env bash
 # One command for a maintainer with a GPU: build the extension in place, run the whole test
-# suite, then the benchmarks, with every log and result under one folder.
+# suite, then the benchmarks.
 #
-#   bash scripts/gpu_check.sh [results_dir]        # default: benchmarks/results
+#   bash scripts/gpu_check.sh [results_dir]
+#
+# The benchmarks write their results to results_dir if given, else where benchmarks/common.py
+# puts them (benchmarks/results/<gpu>/). The logs of the build, the tests and each benchmark
+# go to $LOG_DIR (default: ${TMPDIR:-/tmp}/mti-gpu-check), outside the repository.
 #
 # Environment: QUICK=1 passes --quick to the benchmarks that take it; SKIP_BENCH=1 stops after
-# the tests; TORCH_CUDA_ARCH_LIST (default: this GPU's own arch, the fastest build) and
-# MAX_JOBS (default 16) go to the build.
+# the tests; PYTEST_WORKERS (default 12) sets the pytest-xdist workers where it is installed;
+# TORCH_CUDA_ARCH_LIST (default: this GPU's own arch, the fastest build) and MAX_JOBS
+# (default 16) go to the build.
 # Exits non-zero if the build, any test or any benchmark failed, or if a GPU is present but a
 # CUDA test was skipped or the build has no CUDA kernels.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-RESULTS="${1:-$ROOT/benchmarks/results}"
-mkdir -p "$RESULTS/logs"
-RESULTS="$(cd "$RESULTS" && pwd)"
-LOGS="$RESULTS/logs"
+LOGS="${LOG_DIR:-${TMPDIR:-/tmp}/mti-gpu-check}"
+mkdir -p "$LOGS"
+LOGS="$(cd "$LOGS" && pwd)"
+if [[ $# -ge 1 ]]; then
+  mkdir -p "$1"
+  MTI_RESULTS_DIR="$(cd "$1" && pwd)"
+  export MTI_RESULTS_DIR # benchmarks/common.py writes its results here
+fi
 QUICK="${QUICK:-0}"
 SKIP_BENCH="${SKIP_BENCH:-0}"
+echo "logs: $LOGS"
 
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export MTI_RESULTS_DIR="$RESULTS" # benchmarks/common.py writes its results here
 export MAX_JOBS="${MAX_JOBS:-16}"
 
 SUMMARY=()
@@ -73,8 +82,7 @@ fi
 
 # ---------------------------------------------------------------- tests
 # -v names every test and its outcome; -rs lists every skip with its reason. With
-# pytest-xdist installed the tests run in parallel (the suite takes ~3 min with -n 12 on an
-# H100 machine instead of ~15).
+# pytest-xdist installed the tests run in parallel.
 PYTEST_ARGS=(tests -v -rs)
 if python -c 'import xdist' 2>/dev/null; then
   PYTEST_ARGS+=(-n "${PYTEST_WORKERS:-12}")
@@ -135,7 +143,10 @@ fi
 echo
 echo "================ gpu_check summary ================"
 printf '%s\n' "${SUMMARY[@]}"
-echo "results and logs: $RESULTS"
+if [[ "$SKIP_BENCH" != 1 ]]; then
+  echo "results: $(python -c 'from benchmarks.common import results_dir; print(results_dir())')"
+fi
+echo "logs: $LOGS"
 if [[ "$FAILED" == 1 ]]; then
   echo "RESULT: FAILED"
   exit 1

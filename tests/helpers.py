@@ -26,6 +26,18 @@ HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
+
+def device_params(cases, cpu):
+    """(device, case) params for parametrize("device,<name>", ...): every case on CUDA, where
+    each takes a kernel path of its own, and on the CPU only the cases in `cpu`, for cases
+    that the CPU backend runs on the same path as those. `cases`: values, or a dict of
+    id -> value."""
+    named = cases if isinstance(cases, dict) else {str(v): v for v in cases}
+    return ([pytest.param("cpu", v, id=f"cpu-{k}") for k, v in named.items() if v in cpu]
+            + [pytest.param("cuda", v, id=f"cuda-{k}", marks=requires_cuda)
+               for k, v in named.items()])
+
+
 # Row widths the issue names: 1, tiny odd, just under a power of two, not a multiple of any
 # vector width, and just over a power of two.
 ODD_WIDTHS = (1, 3, 255, 1000, 4097)
@@ -36,6 +48,10 @@ ODD_WIDTHS = (1, 3, 255, 1000, 4097)
 # takes the cluster path there), full, the first column past them, a stashed step half full, a
 # cluster whose last CTA holds one vector, and the same with a cluster of four.
 LONG_ROW_WIDTHS = (14344, 16384, 16392, 24576, 32768, 32776, 65544)
+# The CPU backend runs rows of any width on one path, a row at a time in parallel tasks of
+# 32768 // width rows (at least one): of those widths, one of two rows a task and one of one.
+CPU_LONG_ROW_WIDTHS = (14344, 16392)
+
 
 # Fills the buffer around a strided input, so that a stray write shows up.
 SENTINEL = 123.0
@@ -51,12 +67,10 @@ _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloa
 
 def ref_square_matmul(x, weight, bias=None, *, transpose=False, workspace_bytes=None):
     # F.linear wants (out, in); y = x @ W is F.linear with W.T, y = x @ W.T with W itself.
-    # On x made contiguous, whatever its layout: for the same values PyTorch's CPU GEMM errs
-    # differently by layout, and its error is the tests' yardstick. Hypothesis found fp32 rows
-    # of K = 255 in a (2, 4, K) view of strides (8K, K, 1), which does not fold into one
-    # matrix, where F.linear took another path and erred 4.0e-7 against 1.6e-6 for the same
-    # values contiguous; the op, which runs that GEMM over the gathered rows, erred 1.6e-6
-    # and failed the 2x bound.
+    # On x made contiguous, whatever its layout: PyTorch's CPU GEMM errs differently by
+    # layout (a view that does not fold into one matrix, such as (2, 4, K) of strides
+    # (8K, K, 1), takes another path), and the op runs the contiguous GEMM over the gathered
+    # rows, so the contiguous GEMM's error is the yardstick to hold it to.
     return F.linear(x.contiguous(), weight if transpose else weight.t(), bias)
 
 
@@ -241,9 +255,8 @@ def widths(max_small=64):
 seeds = st.integers(0, 2**31 - 1)
 # The seed of the output gradients that backward tests draw: outside `seeds`, so that it is
 # never an input's seed too. With the same seed, dy is x up to an affine map, and a norm's
-# exact gradient for such a dy is 0 (found by hypothesis on the H100: LayerNorm, n = 8,
-# seed 99, fp16), a cancellation that a backward from the saved 16-bit output cannot match
-# to PyTorch's error (see README, Autograd).
+# exact gradient for such a dy is 0, a cancellation that a backward from the saved 16-bit
+# output cannot match to PyTorch's error (see README, Autograd).
 GRAD_SEED = 2**31 + 99
 
 

@@ -20,6 +20,7 @@ from helpers import (
     Untouched,
     assert_accurate,
     bitwise_equal,
+    device_params,
     examples,
     lead_shapes,
     output_grad,
@@ -103,12 +104,11 @@ def make_mask(kind, shape, device, dtype, seed, fully_masked_row=False):
 @given(lead=lead_shapes(max_dims=2), n=widths(), seed=seeds, log=st.booleans(),
        scale=st.sampled_from([None, 0.37, 2.0]), mask=st.sampled_from(["none", "bool", "additive"]),
        causal=st.booleans())
-# A 2-element causal row whose correctly rounded float16 outputs do not sum to 1, with
-# grad - sum(grad * y) cancelling: found on an H100 host when softmax's gradient did not
-# divide by sum(y).
+# A causal row of 2 unmasked elements whose correctly rounded float16 outputs do not sum to
+# 1, with grad - sum(grad * y) cancelling: softmax's gradient must divide by sum(y).
 @example(lead=(), n=35, seed=668, log=False, scale=None, mask="additive", causal=True)
-# A float32 log_softmax row whose stored log-probabilities' exp summed to 1 only up to
-# rounding (CPU, on the H100 host): log_softmax's gradient now divides by sum(exp(y)).
+# A float32 log_softmax row whose stored log-probabilities' exps sum to 1 only up to
+# rounding: log_softmax's gradient must divide by sum(exp(y)).
 @example(lead=(), n=52, seed=375, log=True, scale=2.0, mask="none", causal=True)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
@@ -186,7 +186,8 @@ def norm_case(device, dtype, shape, k, seed, weight, bias):
 # gradient is a cancellation (RMSNorm of one element: rstd * g_hat * (1 - x_hat^2)) in which
 # the rounding already in y outweighs PyTorch's error from x (ops.py documents the
 # precision of recovering x_hat).
-# 70000: streamed rows whose weight and bias gradient sums no longer fit in shared memory.
+# 70000: streamed rows whose weight and bias gradient sums no longer fit in shared memory
+# (on the CPU the same path as 20000: test_norm_grads_widths runs it on CUDA only).
 NORM_WIDTHS = tuple(n for n in PATH_WIDTHS + ODD_WIDTHS if n >= 8) + (70000,)
 
 
@@ -194,20 +195,16 @@ NORM_WIDTHS = tuple(n for n in PATH_WIDTHS + ODD_WIDTHS if n >= 8) + (70000,)
 @given(lead=lead_shapes(max_dims=2), n=st.integers(8, 64) | st.sampled_from(NORM_WIDTHS),
        seed=seeds, weight=st.booleans(),
        bias=st.booleans(), rms=st.booleans())
-# Found on the H100 when the CUDA norms took rstd from rsqrtf (2 ulp): y's and rstd's extra
-# error doubled grad_x's in this 8-wide row. They now round rstd correctly (__frsqrt_rn).
+# An 8-wide row whose grad_x doubles any extra error in y and rstd: the CUDA norms must
+# round rstd correctly (__frsqrt_rn; rsqrtf's 2 ulp fail it).
 @example(lead=(), n=8, seed=86, weight=False, bias=False, rms=False)
-# Found on the H100 at 07ae295, fp32 only: grad_weight 7.1e-7 from PyTorch's 1.1e-7 (allowed
-# 6.8e-7). The forward's y is off by 4.5e-7 (1.9 ulp; PyTorch's 2.1e-7), and the weight
-# gradient, which the backward takes from y, carries that. The mean was the cause: fp32 rows
-# kept it relative to the pivot x[0] = -2.96, 3.29 from the mean, so it was rounded at
-# ulp(3.29) = 2.4e-7 where the mean itself (0.33) has 3e-8. Fixed by carrying the sum of
-# x - pivot as an exact hi + lo (norm.cu's PivotSums; passes on the H100).
+# An fp32 row whose pivot x[0] = -2.96 is 3.29 from its mean (0.33): a mean kept relative
+# to the pivot rounds at ulp(3.29), and y and the weight gradient taken from it fail. The
+# sum of x - pivot must be carried exactly as hi + lo (norm.cu's PivotSums).
 @example(lead=(), n=62, seed=763, weight=True, bias=False, rms=False)
-# Found on the H100 at c31d40d, fp32 only: the RMSNorm weight gradient of this 8-wide row
-# erred 8.4e-7 from PyTorch's 1.2e-7 (allowed 8.4e-7). y = x * rstd * weight was rounded
-# twice, and the weight gradient, taken from y, carried both. Fixed on sm_90+ by rounding it
-# once (norm.cu's RmsNormOp::output; builds for older GPUs keep the two roundings).
+# An 8-wide fp32 RMSNorm row whose weight gradient, taken from y, fails when
+# y = x * rstd * weight is rounded twice: sm_90+ round it once (norm.cu's
+# RmsNormOp::output; builds for older GPUs keep the two roundings).
 @example(lead=(), n=8, seed=2353, weight=True, bias=False, rms=True)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
@@ -219,10 +216,9 @@ def test_norm_grads(device, dtype, lead, n, seed, weight, bias, rms):
         check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
 
 
-@pytest.mark.parametrize("n", NORM_WIDTHS)
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,n", device_params(NORM_WIDTHS, NORM_WIDTHS[:-1]))
 def test_norm_grads_widths(device, dtype, rms, n):
     x, normalized, w, b = norm_case(device, dtype, (5, n), 1, n, True, not rms)
     if rms:
@@ -231,11 +227,13 @@ def test_norm_grads_widths(device, dtype, rms, n):
         check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
 
 
-@pytest.mark.parametrize("shape", [(3000, 24), (3000, 23), (3001, 1000), (3001, 1200),
-                                   (600, 8200), (600, 8201)],
-                         ids=["lanes", "lanes_scalar", "warps", "warps_uneven", "cluster",
-                              "streamed"])
-@pytest.mark.parametrize("device", DEVICES)
+MANY_ROWS = {"lanes": (3000, 24), "lanes_scalar": (3000, 23), "warps": (3001, 1000),
+             "warps_uneven": (3001, 1200), "cluster": (600, 8200), "streamed": (600, 8201)}
+
+
+# On the CPU, which sums the parameter gradients over all rows in blocks of 64 columns on one
+# path for every shape: rows shorter than a block, and rows of several blocks and part of one.
+@pytest.mark.parametrize("device,shape", device_params(MANY_ROWS, [(3000, 23), (3001, 1000)]))
 def test_norm_grads_many_rows(device, shape):
     """Many rows: the weight and bias gradients sum partials of many groups of rows (each
     CTA or cluster sums several rows, in registers when resident, in shared memory when
@@ -275,7 +273,7 @@ def test_norm_weight_zero_gives_finite_gradients():
 # (131072 for the norms, 131080 for 16-bit log_softmax; the norms stream 131080). Widths on
 # both sides of each limit, with full and with mostly idle last CTAs (6144, 12288 and 20480
 # fill part of a CTA of 512), clusters of 2 to 16 CTAs, and rows past what clusters of 16
-# hold; at least as many rows as fit on an H100 at once (264 CTAs), so each CTA strides over
+# hold; at least as many rows as fit at once on 132 SMs (264 CTAs), so each CTA strides over
 # rows through its staging buffers.
 CLUSTER_WIDTHS = (4100, 6144, 8192, 12288, 16448, 20480, 32768, 36864, 61440, 65536, 131072,
                   131080)
@@ -372,7 +370,7 @@ def test_norm_backward_layouts(device, layout):
     assert out_guard.outside_unchanged()
     # Other layouts may take another kernel path (scalar instead of vector accesses, other
     # partial sums for dweight/dbias) whose fp32 summation order differs: equal up to fp32
-    # rounding, not bitwise (on the H100 they differed in the last bits).
+    # rounding, not bitwise.
     torch.testing.assert_close(got[0].contiguous(), expected[0])
     torch.testing.assert_close(got[1], expected[1])
     torch.testing.assert_close(got[2], expected[2])

@@ -110,10 +110,10 @@ def check_compiled_block(device, backend):
 
 # Inductor's shape padding (pad_mm) pads the scores' bmm to multiples of 8 where it times
 # faster, then hands softmax_ the padded buffer reinterpreted as contiguous (2, 2, 5, 5):
-# every output wrong (H100, torch 2.11; seen in the generated code). Whether it pads is
-# decided by timing at compile time, which made the test fail on some machines only. It is
-# off here so the test checks our ops; the strict xfail below keeps it padded, and fails once
-# torch no longer mishandles it. README, "Known issues".
+# every output wrong (seen in the generated code). Whether it pads is decided by timing at
+# compile time, so the test would fail on some machines only. It is off here so the test
+# checks our ops; the strict xfail below keeps it padded, and fails once torch no longer
+# mishandles it. README, "Known issues".
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_block_matches_eager(device, backend):

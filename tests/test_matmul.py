@@ -78,8 +78,8 @@ def check_matmul(device, dtype, lead, k, seed, *, transpose, with_bias, mode="de
        st.integers(1, 40), transpose=st.booleans(), with_bias=st.booleans(),
        mode=st.sampled_from(WORKSPACE_MODES), layout=st.sampled_from(ROW_STRIDED_LAYOUTS),
        seed=seeds)
-# A 3-row workspace over 4 rows: cuBLAS's 1-row GEMMs were 2.5x less accurate in fp32 than
-# torch.matmul's (H100); such workspaces now take the zero-workspace kernel.
+# A 3-row workspace over 4 rows: chunks of cuBLAS's 1-row GEMMs are less accurate in fp32 than
+# torch.matmul, so such workspaces must take the zero-workspace kernel.
 @example(lead=(4,), k=1000, transpose=False, with_bias=False, mode="three_rows",
          layout="contiguous", seed=0)
 def test_square_matmul(device, dtype, lead, k, transpose, with_bias, mode, layout, seed):
@@ -112,7 +112,7 @@ def test_k_4097(device, dtype, mode):
 # Shapes for sm_90's streaming zero-workspace kernels (row blocks of 64 or 128 rows shared by
 # a cluster, 256-column tiles; the warpgroup MMA kernel in sm_90a builds, else mma.sync): M of
 # no tile size, K a multiple of 8 but not of 64 or 256, so the last k step and column tile are
-# part outside W; clusters of 2 to 16 blocks (K = 8192: 16 blocks of 2 tiles each on an H100).
+# part outside W; clusters of 2 to 16 blocks (K = 8192: 16 blocks of 2 tiles each on 132 SMs).
 # K = 744 and 1784 (3 and 7 column tiles) split unevenly over the warpgroup kernel's clusters
 # of 2 and 4 blocks: the last block has a tile fewer and takes the others' x tiles idle.
 @requires_cuda
@@ -196,8 +196,8 @@ def test_few_rows_in_cuda_graph():
 # Shapes for the default path's handshake kernel (sm_90a builds on sm_90, 16-bit, rows evenly
 # spaced; CTAs write their tiles over x once every CTA of the same 128 rows has read them):
 # M of no tile size; K a multiple of 8 but not of 64 or 256 (the last k step and column tile
-# part outside W); row blocks of 1 (K = 8) to 33 (K = 8200) column tiles, of which the grid
-# of an H100 (132 CTAs) holds 132 or 126 (K = 1784: 7 tiles). From K = 4096 the CTAs run in
+# part outside W); row blocks of 1 (K = 8) to 33 (K = 8200) column tiles, of which a grid
+# on 132 SMs (132 CTAs) holds 132 or 126 (K = 1784: 7 tiles). From K = 4096 the CTAs run in
 # clusters of two that share W tiles and take two row blocks at a time: the grid is 132 CTAs
 # at K = 8200 (2 x 33 clusters) and 102 at K = 4104 (3 x 17), and their odd counts of row
 # blocks (17, 9) leave the last cluster's second CTA without rows; rows a pitch of 2K apart
@@ -401,7 +401,7 @@ def test_side_stream_copies_land_before_the_caller_stream_goes_on():
 
 
 @requires_cuda
-# The workspace of cuBLAS's chunks, in float32 where they are certain to run (on an H100, 16-bit
+# The workspace of cuBLAS's chunks, in float32 where they are certain to run (on sm_90a, 16-bit
 # inputs of enough rows take the handshake kernel, whose workspace is an int per 128 rows).
 @pytest.mark.parametrize(
     "rows, k, workspace_bytes, dtype",
@@ -410,7 +410,7 @@ def test_side_stream_copies_land_before_the_caller_stream_goes_on():
      (16384, 1024, 3 << 20, torch.float32),  # two buffers of 1 MiB (+ the allocator's slack)
      (4096, 2048, (1 << 20) + 5, torch.float32),  # an odd budget: two buffers of 64 rows each
      (6144, 2048, None, torch.float32),  # 1.5 of the default's chunks: two of 3072 rows
-     (16384, 2048, None, torch.bfloat16),  # the handshake kernel on an H100: 512 bytes, kept
+     (16384, 2048, None, torch.bfloat16),  # the handshake kernel on sm_90a: 512 bytes, kept
      (16384, 2048, 256, torch.bfloat16)],  # too little for its counters: no workspace
     ids=str)
 def test_peak_memory_within_the_workspace(rows, k, workspace_bytes, dtype):

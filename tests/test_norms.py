@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import make_torch_inplace as mti
 from helpers import (
+    CPU_LONG_ROW_WIDTHS,
     DEVICES,
     DTYPE_PARAMS,
     LAYOUTS,
@@ -18,6 +19,7 @@ from helpers import (
     ROW_STRIDED_LAYOUTS,
     assert_accurate,
     check_op,
+    device_params,
     examples,
     lead_shapes,
     numel,
@@ -66,19 +68,16 @@ def check_rms_norm(device, dtype, lead, normalized, layout, seed, with_weight, e
 @settings(max_examples=examples(30))
 @given(case=norm_cases(), with_weight=st.booleans(), with_bias=st.booleans(),
        eps=st.sampled_from([1e-5, 1e-6, 1e-2]), seed=seeds)
-# Found on the H100: the fp32 CUDA kernel normalized x - pivot (the row's first element),
-# itself rounded, and reached 3.2x PyTorch's error; it now subtracts the mean from x.
+# An fp32 row whose x - pivot (the row's first element) is itself rounded: the kernel must
+# normalize x - mean, not (x - pivot) - (mean - pivot).
 @example(case=((), (5, 7, 18), "contiguous"), with_weight=True, with_bias=True, eps=1e-5,
          seed=3609)
-# Found on the H100 (stop 23, 8cac073): one fp32 row of 16, max error 8.4e-7 against PyTorch's
-# 1.8e-7 (allowed 6.9e-7). Its pivot (x[0] = 1.46) is far from its mean (-0.13), so the
-# chunks' sums and means round at |x - pivot| rather than at |x - mean|; d5af619's corrected
-# chunk statistics fixed it (passes on the H100 since, see benchmarks/results/gpu_tests.md).
+# An fp32 row of 16 whose pivot (x[0] = 1.46) is far from its mean (-0.13): the chunks' sums
+# and means, taken around the pivot, must still round at |x - mean|, not at |x - pivot|.
 @example(case=((), (2, 8, 1), "contiguous"), with_weight=True, with_bias=False, eps=1e-6,
          seed=70169569)
-# Found on the H100 (stop 34): one fp32 row of 3 with a weight, 1.14e-7 against PyTorch's
-# 5.1e-9 (allowed 1.06e-7): rstd, computed in fp32, was an ulp off; fp32 rows now compute it
-# in double (NormOpBase::rstd_of).
+# An fp32 row of 3 with a weight, where PyTorch is nearly exact: an rstd computed in fp32 is
+# an ulp off and fails, so fp32 rows compute it in double (NormOpBase::rstd_of).
 @example(case=((), (3,), "contiguous"), with_weight=True, with_bias=False, eps=1e-5, seed=0)
 def test_layer_norm(device, dtype, case, with_weight, with_bias, eps, seed):
     lead, normalized, layout = case
@@ -90,12 +89,11 @@ def test_layer_norm(device, dtype, case, with_weight, with_bias, eps, seed):
 @settings(max_examples=examples(20))
 @given(rows=st.integers(1, 8), n=widths(), offset=st.sampled_from([-300.0, 100.0, 1000.0, 3e4]),
        spread=st.sampled_from([1e-3, 1.0, 30.0]), seed=seeds)
-# Found by CI (stop 33): the CPU kernel rounded the mean to fp32 before subtracting it, 8.0e-7
-# against PyTorch's 2.6e-7 (allowed 7.3e-7); its outputs are now computed in double.
+# Rows of 3 at offset 100: a CPU kernel that rounds the mean to fp32 before subtracting it
+# fails; its outputs are computed in double.
 @example(rows=3, n=3, offset=100.0, spread=30.0, seed=738)
-# Found on the H100 (stop 55, branch exp-ln-fewer-fadds, not kept): with the fp32 chunks'
-# first pass summing x rather than x - pivot, 4.70e-5 against PyTorch's 2.15e-5 (allowed
-# 4.38e-5): the chunks' merges read each chunk's mean from a sum rounded at |x|.
+# A row of 50 at offset 1000: fp32 chunks whose first pass sums x rather than x - pivot
+# fail, as the chunks' merges then read each chunk's mean from a sum rounded at |x|.
 @example(rows=1, n=50, offset=1000.0, spread=1.0, seed=160531)
 def test_layer_norm_with_a_large_common_offset(device, dtype, rows, n, offset, spread, seed):
     """Rows far from 0 relative to their spread: the statistics must not lose the spread to
@@ -154,9 +152,8 @@ def test_wide_rows(device, dtype):
         check_rms_norm(device, dtype, (rows,), (262144,), layout, 23, True, None)
 
 
-@pytest.mark.parametrize("n", LONG_ROW_WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,n", device_params(LONG_ROW_WIDTHS, CPU_LONG_ROW_WIDTHS))
 def test_long_row_paths(device, dtype, n):
     """Rows at the edges of the long-row paths, where a CTA's last step, stashed or in
     registers, is empty or partly full, with each param cached or not."""
@@ -166,9 +163,10 @@ def test_long_row_paths(device, dtype, n):
     check_rms_norm(device, dtype, (3,), (n,), "contiguous", 52, True, None)
 
 
-@pytest.mark.parametrize("n", [2048, 8192, 16384, 40960, 262144])
+# The CPU runs every width on one path: one width there (test_wide_rows has rows that span
+# several parallel tasks).
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,n", device_params((2048, 8192, 16384, 40960, 262144), (2048,)))
 def test_params_over_many_rows(device, dtype, n):
     """Rows that a CTA or a cluster of CTAs holds, more of them than run at once: on CUDA a
     thread then reads the weight and bias of its columns once (into shared memory, those up

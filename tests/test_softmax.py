@@ -9,15 +9,18 @@ from hypothesis import strategies as st
 import make_torch_inplace as mti
 from helpers import (
     DEVICES,
+    CPU_LONG_ROW_WIDTHS,
     DTYPE_PARAMS,
     LAYOUTS,
     LONG_ROW_WIDTHS,
     check_op,
+    device_params,
     examples,
     lead_shapes,
     randn,
     ref_log_softmax,
     ref_softmax,
+    requires_cuda,
     seeds,
     widths,
     with_layout,
@@ -173,26 +176,24 @@ def test_float_mask_is_read_in_x_dtype(device):
     assert torch.equal(x, y)
 
 
+@requires_cuda
 @pytest.mark.parametrize("log", LOG_PARAMS)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("device", DEVICES)
-def test_cluster_rows_many_per_cluster(device, dtype, log):
+def test_cluster_rows_many_per_cluster(dtype, log):
     """Rows that a cluster of CTAs holds on sm_90, many more rows than clusters run at once:
     each cluster strides over rows whose loaded lengths differ (causal limits, a last CTA's
-    partial share), reusing its reduction buffers from row to row. A few rows on the CPU."""
-    many = 2 if device == "cpu" else 700
-    check_softmax(device, dtype, log, (2, 300 if device != "cpu" else 3, 40960), seed=14,
-                  causal=True)
-    mask = random_mask("additive", (40960,), device, dtype, seed=15)
-    check_softmax(device, dtype, log, (many, 40960), seed=16, scale=0.5, mask=mask)
-    mask = random_mask("bool", (many, 32776), device, dtype, seed=17)
-    check_softmax(device, dtype, log, (many, 32776), seed=18, mask=mask, causal=True)
+    partial share), reusing its reduction buffers from row to row. (The CPU backend runs
+    these rows and masks on the paths of test_long_row_paths and test_masks_and_causal.)"""
+    check_softmax("cuda", dtype, log, (2, 300, 40960), seed=14, causal=True)
+    mask = random_mask("additive", (40960,), "cuda", dtype, seed=15)
+    check_softmax("cuda", dtype, log, (700, 40960), seed=16, scale=0.5, mask=mask)
+    mask = random_mask("bool", (700, 32776), "cuda", dtype, seed=17)
+    check_softmax("cuda", dtype, log, (700, 32776), seed=18, mask=mask, causal=True)
 
 
-@pytest.mark.parametrize("n", LONG_ROW_WIDTHS)
 @pytest.mark.parametrize("log", LOG_PARAMS)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,n", device_params(LONG_ROW_WIDTHS, CPU_LONG_ROW_WIDTHS))
 def test_long_row_paths(device, dtype, log, n):
     """Rows at the edges of the long-row paths, where a CTA's last step, stashed or in
     registers, is empty or partly full; causal rows end inside either step."""
