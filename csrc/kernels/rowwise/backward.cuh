@@ -231,7 +231,8 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
         }
       };
       if constexpr (has_wide_registers<Op>()) {
-        if (l.shape.path == RowPath::kWideRegisters) return on(PathTag<RowPath::kWideRegisters>{});
+        if (l.shape.path == RowPath::kWideRegisters)
+          return on(PathTag<RowPath::kWideRegisters>{});
         if (l.shape.path == RowPath::kWideCluster) return on(PathTag<RowPath::kWideCluster>{});
       }
       if constexpr (Op::kClusterRegisters)
@@ -277,7 +278,8 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
       l.shape = kStreamShape;
     }
   }
-  if (max_units == 0) max_units = int64_t{sm_count} * (tuned(kThreadsPerSm, key) / l.shape.threads);
+  if (max_units == 0)
+    max_units = int64_t{sm_count} * (tuned(kThreadsPerSm, key) / l.shape.threads);
   const int64_t rows_per_cta = l.shape.threads / l.shape.tpr * l.shared_rows;
   const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
   if (params) {

@@ -43,7 +43,6 @@
 // shared memory.
 #pragma once
 
-#include <algorithm>
 #include <type_traits>
 
 #include "kernels/rowwise/framework.cuh"

@@ -178,6 +178,7 @@ inline bool rows_aligned(const void* base, const RowIndexer& rows, int64_t elem_
   return true;
 }
 
+// Whether p is a multiple of `align` (nullptr is).
 inline bool ptr_aligned(const void* p, int64_t align) {
   return reinterpret_cast<uintptr_t>(p) % align == 0;
 }
