@@ -1,8 +1,10 @@
-"""Build make_torch_inplace._C: the C++ ops always, the CUDA ops when torch has CUDA and nvcc exists.
+"""Build make_torch_inplace._C: the C++ ops always, the CUDA ops when torch has CUDA and nvcc
+exists.
 
 Whether to build CUDA is decided by the toolchain (torch.version.cuda and CUDA_HOME), never by
 torch.cuda.is_available(): a build machine may have no GPU.
 """
+
 import glob
 import os
 
@@ -48,6 +50,10 @@ def make_extension():
         # (about 10x PyTorch's error in an fp32 softmax). The kernels use the fast intrinsics
         # explicitly where the output's rounding hides them (exp_for<T> in kernels/common.cuh).
         "-lineinfo",
+        # Each file's architectures in parallel: the build's critical path is its largest
+        # file, compiled once per architecture.
+        "--threads",
+        "0",
     ]
     return cpp_extension.CUDAExtension(
         "make_torch_inplace._C",

@@ -35,8 +35,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import make_torch_inplace as mti  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+import make_torch_inplace as mti
+from benchmarks.common import (
     DEFAULT_REP_MS,
     best_device,
     env_info,
@@ -128,15 +128,23 @@ def build(name: str, attn: str, size: Size, device, dtype) -> nn.Module:
         cls = transformers.GPT2Model
     elif name == "bert":
         config = transformers.BertConfig(
-            hidden_size=d, num_attention_heads=heads, num_hidden_layers=layers,
-            intermediate_size=4 * d, max_position_embeddings=size.max_seq, **common,
+            hidden_size=d,
+            num_attention_heads=heads,
+            num_hidden_layers=layers,
+            intermediate_size=4 * d,
+            max_position_embeddings=size.max_seq,
+            **common,
         )
         cls = transformers.BertModel
     else:
         config = transformers.LlamaConfig(
-            hidden_size=d, num_attention_heads=heads, num_key_value_heads=heads // 2,
-            num_hidden_layers=layers, intermediate_size=11 * d // 4,
-            max_position_embeddings=size.max_seq, **common,
+            hidden_size=d,
+            num_attention_heads=heads,
+            num_key_value_heads=heads // 2,
+            num_hidden_layers=layers,
+            intermediate_size=11 * d // 4,
+            max_position_embeddings=size.max_seq,
+            **common,
         )
         cls = transformers.LlamaModel
     with torch.device(device):
@@ -196,9 +204,16 @@ def run_model(name: str, seqs: list[int], size: Size, device, dtype, env) -> lis
             for (variant, _), (out, ms, peak) in zip(variants, results):
                 diff = (out.float() - base.float()).abs().max().item()
                 rec = dict(
-                    bench="e2e", model=name, variant=variant, seq=seq, batch=batch,
-                    dtype=str(dtype).removeprefix("torch."), ms=ms, peak_bytes=peak,
-                    max_abs_diff=diff, **env,
+                    bench="e2e",
+                    model=name,
+                    variant=variant,
+                    seq=seq,
+                    batch=batch,
+                    dtype=str(dtype).removeprefix("torch."),
+                    ms=ms,
+                    peak_bytes=peak,
+                    max_abs_diff=diff,
+                    **env,
                 )
                 records.append(rec)
                 print(
@@ -259,22 +274,35 @@ def goals(rows: list[dict]) -> list[str]:
 
 def report(records: list[dict]) -> None:
     rows = with_ratios(records)
-    columns = ["model", "variant", "batch", "seq", "ms", "ms_ratio", "peak", "peak_ratio",
-               "max_abs_diff"]
+    columns = [
+        "model",
+        "variant",
+        "batch",
+        "seq",
+        "ms",
+        "ms_ratio",
+        "peak",
+        "peak_ratio",
+        "max_abs_diff",
+    ]
     table = markdown_table(rows, columns)
     goal_lines = goals(rows)
     md = table + "\nGoals:\n\n" + "".join(f"- {g}\n" for g in goal_lines)
     print("\n" + md)
     json_path, md_path = write_results("e2e", records, md)
     out = results_dir()
-    for key, ylabel, png in (("peak_bytes", "peak MiB", "e2e_peak.png"),
-                             ("ms", "ms", "e2e_latency.png")):
+    for key, ylabel, png in (
+        ("peak_bytes", "peak MiB", "e2e_peak.png"),
+        ("ms", "ms", "e2e_latency.png"),
+    ):
         panels = []
         for model in dict.fromkeys(r["model"] for r in records):
             series = {
-                v: [(r["seq"], r[key] / (2**20 if key == "peak_bytes" else 1))
-                    for r in records if r["model"] == model and r["variant"] == v
-                    and r["batch"] == 1]
+                v: [
+                    (r["seq"], r[key] / (2**20 if key == "peak_bytes" else 1))
+                    for r in records
+                    if r["model"] == model and r["variant"] == v and r["batch"] == 1
+                ]
                 for v in VARIANTS
             }
             panels.append((f"{model} (batch 1)", series))
@@ -285,8 +313,11 @@ def report(records: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="Llama only, seq 512 and 1024")
-    parser.add_argument("--tiny", action="store_true",
-                        help="tiny configs and seq 32/64/128: a code-path check (e.g. on CPU)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny configs and seq 32/64/128: a code-path check (e.g. on CPU)",
+    )
     parser.add_argument("--models", nargs="+", choices=MODELS, default=None)
     parser.add_argument("--seqs", nargs="+", type=int, default=None)
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import make_torch_inplace as mti  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+import make_torch_inplace as mti
+from benchmarks.common import (
     cuda_missing,
     env_info,
     fmt_bytes,
@@ -276,15 +276,19 @@ def bench_group(spec, dtype, n, args, device, compiled, clone_cache, records) ->
     p = make_params(spec, shape, dtype, device)
     x = torch.empty(shape, dtype=dtype, device=device)
     # The GPU's time: the backward's autograd host work would otherwise count (see time_ms).
-    timing = {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "device": device,
-              "gpu_only": True}
+    timing = {
+        "warmup_ms": args.warmup_ms,
+        "rep_ms": args.rep_ms,
+        "device": device,
+        "gpu_only": True,
+    }
     elem = x.element_size()
     weights = [p[w] for w in spec.weights]
     liger = None
     if not args.no_liger:
         try:
             liger = liger_impl(spec, n, p, dtype, device)
-        except Exception as e:  # noqa: BLE001  (an optional peer; its API varies by version)
+        except Exception as e:
             print(f"  liger unavailable for {spec.key} {dtype} N={n}: {type(e).__name__}: {e}")
     base = {
         "bench": "rowwise",
@@ -321,11 +325,13 @@ def bench_group(spec, dtype, n, args, device, compiled, clone_cache, records) ->
                     results[impl] = run_forward(fn, x, timing)
                 else:
                     results[impl] = run_backward(fn, params, shape, dtype, device, timing)
-            except Exception as e:  # noqa: BLE001  (peers may fail per case; ours may not)
+            except Exception as e:
                 if impl == "make_torch_inplace" or impl == "torch":
                     raise
-                print(f"  {impl} failed for {spec.key} {dtype} N={n} {pass_}: "
-                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                print(
+                    f"  {impl} failed for {spec.key} {dtype} N={n} {pass_}: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                )
                 if impl == "torch.compile":
                     compiled.failed.add(pass_)
 
@@ -333,14 +339,23 @@ def bench_group(spec, dtype, n, args, device, compiled, clone_cache, records) ->
         line = []
         for impl, r in results.items():
             nbytes = clone_moved if impl == "clone" else moved
-            rec = {**base, "impl": impl, "pass": pass_, "ms": r.ms, "bytes": nbytes,
-                   "tb_s": nbytes / (r.ms * 1e-3) / 1e12, "peak_extra_bytes": r.peak}
+            rec = {
+                **base,
+                "impl": impl,
+                "pass": pass_,
+                "ms": r.ms,
+                "bytes": nbytes,
+                "tb_s": nbytes / (r.ms * 1e-3) / 1e12,
+                "peak_extra_bytes": r.peak,
+            }
             if impl == "torch.compile":
                 rec["compile"] = compiled.mode
             records.append(rec)
             line.append(f"{impl} {rec['tb_s']:.3g}")
-        print(f"{spec.key:15s} {base['dtype']:8s} N={n:<7d} {pass_:8s} TB/s: " + ", ".join(line),
-              flush=True)
+        print(
+            f"{spec.key:15s} {base['dtype']:8s} N={n:<7d} {pass_:8s} TB/s: " + ", ".join(line),
+            flush=True,
+        )
 
 
 def median_records(runs: list[list[dict]]) -> list[dict]:
@@ -395,7 +410,8 @@ def plots(records: list[dict], out_dir: Path) -> list[Path]:
         panels: dict[tuple, dict[str, list]] = {}
         for r in records:
             if r["pass"] == pass_:
-                title = r["op"].rstrip("_") if r["variant"] == "plain" else f"{r['op']} ({r['variant']})"
+                plain = r["variant"] == "plain"
+                title = r["op"].rstrip("_") if plain else f"{r['op']} ({r['variant']})"
                 panel = panels.setdefault((title, r["dtype"]), {})
                 panel.setdefault(r["impl"], []).append((r["N"], r["tb_s"]))
         path = out_dir / f"rowwise_{pass_}.png"
@@ -424,23 +440,35 @@ def parse_args(argv):
     parser.add_argument("--dtypes", nargs="+", choices=ALL_DTYPES)
     parser.add_argument("--sizes", nargs="+", type=int, help="row widths N (default: the sweep)")
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--compile-static", action="store_true",
-                        help="compile once per N (dynamic=False) instead of once per op and dtype")
+    parser.add_argument(
+        "--compile-static",
+        action="store_true",
+        help="compile once per N (dynamic=False) instead of once per op and dtype",
+    )
     parser.add_argument("--no-liger", action="store_true")
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument("--no-forward", action="store_true")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="cpu only checks the code paths; its numbers mean little")
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu only checks the code paths; its numbers mean little",
+    )
     parser.add_argument("--numel-log2", type=int, default=26, help="elements per tensor: 2^this")
     parser.add_argument("--warmup-ms", type=float, default=10.0)
     parser.add_argument("--rep-ms", type=float, default=40.0)
-    parser.add_argument("--runs", type=int, default=1,
-                        help="sweeps to run; each record is the one with the median time")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="sweeps to run; each record is the one with the median time",
+    )
     args = parser.parse_args(argv)
     args.sizes = args.sizes or (QUICK_N if args.quick else ALL_N)
     args.dtypes = args.dtypes or (QUICK_DTYPES if args.quick else ALL_DTYPES)
-    args.passes = [p for p, skip in (("forward", args.no_forward), ("backward", args.no_backward))
-                   if not skip]
+    args.passes = [
+        p for p, skip in (("forward", args.no_forward), ("backward", args.no_backward)) if not skip
+    ]
     if not args.passes:
         parser.error("--no-forward and --no-backward leave nothing to run")
     too_wide = [n for n in args.sizes if n > 1 << args.numel_log2]

@@ -44,8 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import make_torch_inplace as mti  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+import make_torch_inplace as mti
+from benchmarks.common import (
     cuda_missing,
     env_info,
     fmt_bytes,
@@ -61,8 +61,13 @@ from benchmarks.common import (  # noqa: E402
 ALL_DTYPES = ["float16", "bfloat16"]
 ALL_M = [1, 16, 64, 4096, 16384, 65536]
 ALL_N = [1024, 2048, 4096, 8192]
-QUICK = {"dtypes": ["bfloat16"], "ms": [16, 4096], "ns": [1024, 4096], "transpose": [False, True],
-         "bias": [True]}
+QUICK = {
+    "dtypes": ["bfloat16"],
+    "ms": [16, 4096],
+    "ns": [1024, 4096],
+    "transpose": [False, True],
+    "bias": [True],
+}
 OUR_MODES = {"default": 64 << 20, "zero_workspace": 0}
 # The longest cases (M = 65536, N = 8192: 12 ms a call) fit only a few turns in the default
 # 100 ms; at least this many give each place's median 8 calls.
@@ -85,13 +90,27 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
     b = (BIAS_SCALE * torch.randn(n, device=device)).to(dtype) if bias else None
     x = torch.randn(m, n, device=device).to(dtype)
     flops = 2 * m * n * n
-    base = {"bench": "square_matmul", "op": "square_matmul_", "dtype": str(dtype).removeprefix(
-        "torch."), "M": m, "N": n, "transpose": transpose, "bias": bias, **env_info()}
+    base = {
+        "bench": "square_matmul",
+        "op": "square_matmul_",
+        "dtype": str(dtype).removeprefix("torch."),
+        "M": m,
+        "N": n,
+        "transpose": transpose,
+        "bias": bias,
+        **env_info(),
+    }
 
     def add(impl: str, mode: str, ms: float | None, peak: int | None, **extra) -> dict:
-        rec = {**base, "impl": impl, "mode": mode, "ms": ms,
-               "tflops": None if ms is None else flops / (ms * 1e-3) / 1e12,
-               "peak_extra_bytes": peak, **extra}
+        rec = {
+            **base,
+            "impl": impl,
+            "mode": mode,
+            "ms": ms,
+            "tflops": None if ms is None else flops / (ms * 1e-3) / 1e12,
+            "peak_extra_bytes": peak,
+            **extra,
+        }
         records.append(rec)
         return rec
 
@@ -101,8 +120,7 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
     for mode, ws in OUR_MODES.items():
         if mode not in args.modes:
             continue
-        fn = functools.partial(mti.square_matmul_, x, w, b, transpose=transpose,
-                               workspace_bytes=ws)
+        fn = functools.partial(mti.square_matmul_, x, w, b, transpose=transpose, workspace_bytes=ws)
         try:
             fn()
         except RuntimeError as e:  # zero_workspace beyond its largest K: recorded, not fatal
@@ -113,11 +131,14 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
             continue
         fns["make_torch_inplace", mode] = fn
     if bias:
+
         def out_of_place():
             return torch.addmm(b, x, wv)
     else:
+
         def out_of_place():
             return torch.matmul(x, wv)
+
     fns["torch.matmul", "out_of_place"] = out_of_place
     if m <= SMALL_M:
         fns["torch.matmul", "matmul+copy_"] = lambda: x.copy_(out_of_place())
@@ -134,9 +155,14 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
     times: dict[tuple[str, str], list[list[float]]] = {}
 
     def in_turns(*keys: tuple[str, str]) -> None:
-        res = time_alternating([fns[goal if k == control else k] for k in keys],
-                               warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, device=device,
-                               min_turns=MIN_TURNS, gpu_only=m <= SMALL_M)
+        res = time_alternating(
+            [fns[goal if k == control else k] for k in keys],
+            warmup_ms=args.warmup_ms,
+            rep_ms=args.rep_ms,
+            device=device,
+            min_turns=MIN_TURNS,
+            gpu_only=m <= SMALL_M,
+        )
         for k, ts in zip(keys, res):
             times.setdefault(k, ts)
 
@@ -154,14 +180,18 @@ def bench_case(dtype, m, n, transpose, bias, w32, args, device, records) -> None
         extra = {}
         if mode == "matmul+copy_":
             extra["control_ms"] = place_median(times[control]) if control in times else None
-        rec = add(impl, mode, place_median(ts), peak, calls=sum(map(len, ts)), finite=finite,
-                  **extra)
+        rec = add(
+            impl, mode, place_median(ts), peak, calls=sum(map(len, ts)), finite=finite, **extra
+        )
         label = mode if impl == "make_torch_inplace" else f"torch {mode}"
         line.append(f"{label} {rec['tflops']:.3g}")
     if not finite:
         line.append("(x not finite!)")
-    print(f"{base['dtype']:8s} M={m:<6d} N={n:<5d} T={int(transpose)} bias={int(bias)} TFLOP/s: "
-          + ", ".join(line), flush=True)
+    print(
+        f"{base['dtype']:8s} M={m:<6d} N={n:<5d} T={int(transpose)} bias={int(bias)} TFLOP/s: "
+        + ", ".join(line),
+        flush=True,
+    )
 
 
 # --------------------------------------------------------------------------- report
@@ -181,10 +211,12 @@ def tables(records: list[dict]) -> str:
     for (dtype, n, m, transpose, bias), by in sorted(groups.items()):
         row = {"N": n, "M": m, "T": int(transpose), "bias": int(bias)}
         torch_rec = _find(by, "torch.matmul", "out_of_place")
-        for label, impl, mode in (("default", "make_torch_inplace", "default"),
-                                  ("zero-ws", "make_torch_inplace", "zero_workspace"),
-                                  ("torch", "torch.matmul", "out_of_place"),
-                                  ("mm+copy_", "torch.matmul", "matmul+copy_")):
+        for label, impl, mode in (
+            ("default", "make_torch_inplace", "default"),
+            ("zero-ws", "make_torch_inplace", "zero_workspace"),
+            ("torch", "torch.matmul", "out_of_place"),
+            ("mm+copy_", "torch.matmul", "matmul+copy_"),
+        ):
             rec = _find(by, impl, mode)
             if rec is None:
                 if (impl, mode) in by:
@@ -208,14 +240,22 @@ def tables(records: list[dict]) -> str:
         columns += [f"{label} ms", f"{label} TFLOP/s"]
         if label in ("default", "zero-ws"):
             columns.append(f"{label}/torch")
-    columns += ["default/mm+copy_", "control/mm+copy_", "default peak", "zero-ws peak",
-                "torch peak"]
-    note = ("ratio = torch.matmul time / our time (> 1: faster than torch.matmul); "
-            "default/mm+copy_ likewise against matmul + copy_, and control/mm+copy_ that of "
-            "an identical matmul + copy_ timed in the same turns (M <= 64); peak = extra "
-            "memory allocated during the call. T: transpose (x @ W.T).\n\n")
-    return note + "\n".join(f"## {dtype}\n\n" + markdown_table(rows, columns)
-                            for dtype, rows in by_dtype.items())
+    columns += [
+        "default/mm+copy_",
+        "control/mm+copy_",
+        "default peak",
+        "zero-ws peak",
+        "torch peak",
+    ]
+    note = (
+        "ratio = torch.matmul time / our time (> 1: faster than torch.matmul); "
+        "default/mm+copy_ likewise against matmul + copy_, and control/mm+copy_ that of "
+        "an identical matmul + copy_ timed in the same turns (M <= 64); peak = extra "
+        "memory allocated during the call. T: transpose (x @ W.T).\n\n"
+    )
+    return note + "\n".join(
+        f"## {dtype}\n\n" + markdown_table(rows, columns) for dtype, rows in by_dtype.items()
+    )
 
 
 def plot(records: list[dict], path: Path) -> None:
@@ -229,29 +269,46 @@ def plot(records: list[dict], path: Path) -> None:
             continue
         label = r["mode"] if r["impl"] == "make_torch_inplace" else f"torch.matmul {r['mode']}"
         panels.setdefault((r["dtype"], r["N"]), {}).setdefault(label, []).append(
-            (r["M"], r["tflops"]))
+            (r["M"], r["tflops"])
+        )
     ncols = len({n for _, n in panels})
-    plot_grid(path, [(f"{dtype}, N={n}, transpose={transpose}, bias={bias}", series)
-                     for (dtype, n), series in sorted(panels.items())],
-              xlabel="M (rows)", ylabel="TFLOP/s", ncols=max(ncols, 1))
+    plot_grid(
+        path,
+        [
+            (f"{dtype}, N={n}, transpose={transpose}, bias={bias}", series)
+            for (dtype, n), series in sorted(panels.items())
+        ],
+        xlabel="M (rows)",
+        ylabel="TFLOP/s",
+        ncols=max(ncols, 1),
+    )
 
 
 # --------------------------------------------------------------------------- main
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help=f"a smoke subset: {QUICK}")
     parser.add_argument("--dtypes", nargs="+", choices=ALL_DTYPES + ["float32"])
     parser.add_argument("--ms", nargs="+", type=int, help="row counts M")
     parser.add_argument("--ns", nargs="+", type=int, help="N = K, the weight's size")
     parser.add_argument("--modes", nargs="+", choices=list(OUR_MODES), default=list(OUR_MODES))
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="cpu only checks the code paths; its numbers mean little")
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu only checks the code paths; its numbers mean little",
+    )
     parser.add_argument("--warmup-ms", type=float, default=10.0)
-    parser.add_argument("--rep-ms", type=float, default=100.0,
-                        help="timed calls per case and implementation (at least 7)")
+    parser.add_argument(
+        "--rep-ms",
+        type=float,
+        default=100.0,
+        help="timed calls per case and implementation (at least 7)",
+    )
     args = parser.parse_args(argv)
     args.dtypes = args.dtypes or (QUICK["dtypes"] if args.quick else ALL_DTYPES)
     args.ms = args.ms or (QUICK["ms"] if args.quick else ALL_M)
@@ -273,9 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.ns:
             w32 = orthogonal(n, device)
             for dtype_name, m, transpose, bias in itertools.product(
-                    args.dtypes, args.ms, args.transpose, args.bias):
-                bench_case(getattr(torch, dtype_name), m, n, transpose, bias, w32, args, device,
-                           records)
+                args.dtypes, args.ms, args.transpose, args.bias
+            ):
+                bench_case(
+                    getattr(torch, dtype_name), m, n, transpose, bias, w32, args, device, records
+                )
             del w32
     md = tables(records)
     print()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -72,7 +72,11 @@ def _git_commit() -> str:
         # Any change to the code marks the tree dirty, new files included, but not the results
         # that the benchmarks write (build outputs are in .gitignore and never show).
         dirty = git(
-            "status", "--porcelain", "--untracked-files=all", "--", ".",
+            "status",
+            "--porcelain",
+            "--untracked-files=all",
+            "--",
+            ".",
             ":(exclude)benchmarks/results",
         )
     except (OSError, subprocess.CalledProcessError):
@@ -454,13 +458,11 @@ def plot_grid(
         return
     plt = _pyplot()
     nrows = -(-len(panels) // ncols)
-    fig, axes = plt.subplots(
-        nrows, ncols, figsize=(4.5 * ncols, 3.4 * nrows), squeeze=False
-    )
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.5 * ncols, 3.4 * nrows), squeeze=False)
     flat = [ax for row in axes for ax in row]
     for ax, (title, series) in zip(flat, panels):
         _draw(ax, series, xlabel, ylabel, title, logx)
-    for ax in flat[len(panels):]:
+    for ax in flat[len(panels) :]:
         ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -471,7 +473,9 @@ def cuda_missing(script: str, device: str) -> bool:
     """True, after saying so, when a CUDA run was asked for on a machine without a GPU: the
     benchmark then measures nothing and exits 0 (CI machines have no GPU)."""
     if device == "cuda" and not torch.cuda.is_available():
-        print(f"{script} needs CUDA; no GPU here, nothing measured "
-              "(--device cpu runs the code paths on the CPU)")
+        print(
+            f"{script} needs CUDA; no GPU here, nothing measured "
+            "(--device cpu runs the code paths on the CPU)"
+        )
         return True
     return False

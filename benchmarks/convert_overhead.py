@@ -40,9 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import make_torch_inplace as mti  # noqa: E402
-from benchmarks.bench_e2e import Size, build, make_inputs  # noqa: E402
-from benchmarks.common import env_info  # noqa: E402
+import make_torch_inplace as mti
+from benchmarks.bench_e2e import Size, build, make_inputs
+from benchmarks.common import env_info
 
 
 def per_call_us(fn, calls: int, device: torch.device) -> float:
@@ -107,8 +107,8 @@ def main() -> None:
         diff = (converted(*inputs).float() - expected.float()).abs().max().item()
     if any(len(g) != 1 for g in graphs.values()):
         sys.exit(f"expected one graph per backend, got {graphs}")
-    (rewritten, rewritten_args), = graphs["rewritten"]
-    (captured, captured_args), = graphs["captured"]
+    ((rewritten, rewritten_args),) = graphs["rewritten"]
+    ((captured, captured_args),) = graphs["captured"]
 
     run_cached = importlib.import_module("make_torch_inplace.convert._compat").run_cached
     variants = {

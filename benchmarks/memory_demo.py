@@ -16,17 +16,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import make_torch_inplace as mti  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+import make_torch_inplace as mti
+from benchmarks.common import (
     best_device,
     env_info,
     fmt_bytes,
@@ -149,8 +149,17 @@ def table(records: list[dict], device: torch.device) -> str:
         )
     return markdown_table(
         rows,
-        ["op", "vs", "shape", "dtype", "device", "torch peak extra", "in-place peak extra",
-         "saving", "max abs diff"],
+        [
+            "op",
+            "vs",
+            "shape",
+            "dtype",
+            "device",
+            "torch peak extra",
+            "in-place peak extra",
+            "saving",
+            "max abs diff",
+        ],
     )
 
 

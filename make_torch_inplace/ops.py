@@ -317,14 +317,25 @@ class _Norm(torch.autograd.Function):
         # Fresh tensors, as PyTorch's backward allocates: grad may be shared with other
         # consumers and y saved by other ops.
         grad_x = torch.empty_like(y) if want_x else _not_wanted(y)
-        grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if want_w \
+        grad_w = (
+            torch.empty_like(weight, memory_format=torch.contiguous_format)
+            if want_w
             else _not_wanted(y)
-        grad_b = torch.empty_like(bias, memory_format=torch.contiguous_format) if want_b \
+        )
+        grad_b = (
+            torch.empty_like(bias, memory_format=torch.contiguous_format)
+            if want_b
             else _not_wanted(y)
-        _ops.norm_backward(y, grad, ctx.shape, weight, bias, rstd, ctx.rms, grad_x, grad_w,
-                           grad_b)
-        return (grad_x if want_x else None, None, grad_w if want_w else None,
-                grad_b if want_b else None, None, None)
+        )
+        _ops.norm_backward(y, grad, ctx.shape, weight, bias, rstd, ctx.rms, grad_x, grad_w, grad_b)
+        return (
+            grad_x if want_x else None,
+            None,
+            grad_w if want_w else None,
+            grad_b if want_b else None,
+            None,
+            None,
+        )
 
 
 # --------------------------------------------------------------------------- fake kernels
@@ -359,6 +370,7 @@ def _softmax_backward_fake(y, grad, dim, scale, mask, causal, log, grad_x):
 
 
 @torch.library.register_fake("make_torch_inplace::norm_backward")
-def _norm_backward_fake(y, grad, normalized_shape, weight, bias, rstd, rms, grad_x, grad_weight,
-                        grad_bias):
+def _norm_backward_fake(
+    y, grad, normalized_shape, weight, bias, rstd, rms, grad_x, grad_weight, grad_bias
+):
     return None

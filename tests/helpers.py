@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPE_PARAMS = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in DTYPES]
 
@@ -33,9 +32,9 @@ def device_params(cases, cpu):
     that the CPU backend runs on the same path as those. `cases`: values, or a dict of
     id -> value."""
     named = cases if isinstance(cases, dict) else {str(v): v for v in cases}
-    return ([pytest.param("cpu", v, id=f"cpu-{k}") for k, v in named.items() if v in cpu]
-            + [pytest.param("cuda", v, id=f"cuda-{k}", marks=requires_cuda)
-               for k, v in named.items()])
+    return [pytest.param("cpu", v, id=f"cpu-{k}") for k, v in named.items() if v in cpu] + [
+        pytest.param("cuda", v, id=f"cuda-{k}", marks=requires_cuda) for k, v in named.items()
+    ]
 
 
 # Row widths the issue names: 1, tiny odd, just under a power of two, not a multiple of any
@@ -56,8 +55,12 @@ CPU_LONG_ROW_WIDTHS = (14344, 16392)
 # Fills the buffer around a strided input, so that a stray write shows up.
 SENTINEL = 123.0
 
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-             torch.float64: torch.int64}
+_INT_VIEW = {
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float64: torch.int64,
+}
 
 
 # --------------------------------------------------------------------------- references
@@ -165,8 +168,9 @@ def bitwise_equal(a, b):
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.dtype in _INT_VIEW:
-        return torch.equal(a.contiguous().view(_INT_VIEW[a.dtype]),
-                           b.contiguous().view(_INT_VIEW[b.dtype]))
+        return torch.equal(
+            a.contiguous().view(_INT_VIEW[a.dtype]), b.contiguous().view(_INT_VIEW[b.dtype])
+        )
     return torch.equal(a, b)
 
 
@@ -188,7 +192,8 @@ class Untouched:
         # Buffer positions that x covers, found by viewing an index buffer as x is viewed
         # (x may be expanded, so its elements are read, never written, here).
         positions = torch.arange(self.base.numel(), device=self.base.device).as_strided(
-            self.x.size(), self.x.stride(), self.x.storage_offset() - self.base.storage_offset())
+            self.x.size(), self.x.stride(), self.x.storage_offset() - self.base.storage_offset()
+        )
         outside = torch.ones(self.base.numel(), dtype=torch.bool, device=self.base.device)
         outside[positions.reshape(-1)] = False
         return bitwise_equal(self.base.reshape(-1)[outside], self.before.reshape(-1)[outside])
@@ -273,4 +278,3 @@ def examples(n):
 
 def numel(shape):
     return math.prod(shape)
-

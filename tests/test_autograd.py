@@ -2,12 +2,8 @@
 this), gradients in float32/float16/bfloat16 against PyTorch's own on an fp64 reference, and
 the safety rules: frozen matmul weights, version counters, leaves that require grad."""
 
-
 import pytest
 import torch
-from torch.autograd import gradcheck
-
-import make_torch_inplace as mti
 from helpers import (
     DEVICES,
     DTYPE_PARAMS,
@@ -23,6 +19,9 @@ from helpers import (
     ref_softmax,
     ref_square_matmul,
 )
+from torch.autograd import gradcheck
+
+import make_torch_inplace as mti
 
 F64 = torch.float64
 
@@ -57,49 +56,78 @@ GRADCHECK_CASES = {
     "softmax": lambda: (out_of_place(mti.softmax_), leaf((3, 7), 1)),
     "softmax_dim0": lambda: (out_of_place(mti.softmax_, dim=0), leaf((4, 5), 2)),
     "softmax_scale": lambda: (out_of_place(mti.softmax_, scale=0.37), leaf((3, 7), 3)),
-    "softmax_bool_mask": lambda: (out_of_place(mti.softmax_, mask=bool_mask((2, 4, 6), 4)),
-                                  leaf((2, 4, 6), 5)),
+    "softmax_bool_mask": lambda: (
+        out_of_place(mti.softmax_, mask=bool_mask((2, 4, 6), 4)),
+        leaf((2, 4, 6), 5),
+    ),
     "softmax_additive_mask": lambda: (
-        lambda x, m: out_of_place(mti.softmax_)(x, mask=m), leaf((2, 4, 6), 6),
-        leaf((4, 6), 7)),
+        lambda x, m: out_of_place(mti.softmax_)(x, mask=m),
+        leaf((2, 4, 6), 6),
+        leaf((4, 6), 7),
+    ),
     "softmax_causal": lambda: (out_of_place(mti.softmax_, causal=True), leaf((2, 5, 5), 8)),
-    "softmax_causal_q_lt_k": lambda: (out_of_place(mti.softmax_, causal=True, scale=2.0),
-                                      leaf((3, 6), 9)),
+    "softmax_causal_q_lt_k": lambda: (
+        out_of_place(mti.softmax_, causal=True, scale=2.0),
+        leaf((3, 6), 9),
+    ),
     "softmax_causal_q_gt_k_masked": lambda: (
-        out_of_place(mti.softmax_, causal=True, mask=bool_mask((4,), 10)), leaf((6, 4), 11)),
+        out_of_place(mti.softmax_, causal=True, mask=bool_mask((4,), 10)),
+        leaf((6, 4), 11),
+    ),
     "log_softmax": lambda: (out_of_place(mti.log_softmax_), leaf((3, 7), 12)),
     "log_softmax_dim1": lambda: (out_of_place(mti.log_softmax_, dim=1), leaf((2, 5, 3), 13)),
     "log_softmax_bool_mask": lambda: (
-        out_of_place(mti.log_softmax_, mask=bool_mask((3, 7), 14)), leaf((3, 7), 15)),
+        out_of_place(mti.log_softmax_, mask=bool_mask((3, 7), 14)),
+        leaf((3, 7), 15),
+    ),
     "log_softmax_additive_mask": lambda: (
-        lambda x, m: out_of_place(mti.log_softmax_, scale=0.5)(x, mask=m), leaf((3, 7), 16),
-        leaf((7,), 17)),
-    "log_softmax_causal": lambda: (out_of_place(mti.log_softmax_, causal=True),
-                                   leaf((2, 4, 6), 18)),
-    "layer_norm": lambda: (out_of_place(mti.layer_norm_, normalized_shape=(9,)),
-                           leaf((4, 9), 19)),
+        lambda x, m: out_of_place(mti.log_softmax_, scale=0.5)(x, mask=m),
+        leaf((3, 7), 16),
+        leaf((7,), 17),
+    ),
+    "log_softmax_causal": lambda: (
+        out_of_place(mti.log_softmax_, causal=True),
+        leaf((2, 4, 6), 18),
+    ),
+    "layer_norm": lambda: (out_of_place(mti.layer_norm_, normalized_shape=(9,)), leaf((4, 9), 19)),
     "layer_norm_affine": lambda: (
-        lambda x, w, b: out_of_place(mti.layer_norm_)(x, (9,), w, b), leaf((4, 9), 20),
-        leaf((9,), 21), leaf((9,), 22)),
+        lambda x, w, b: out_of_place(mti.layer_norm_)(x, (9,), w, b),
+        leaf((4, 9), 20),
+        leaf((9,), 21),
+        leaf((9,), 22),
+    ),
     "layer_norm_two_dims_weight": lambda: (
         lambda x, w: out_of_place(mti.layer_norm_, eps=1e-3)(x, (3, 4), w),
-        leaf((2, 3, 4), 23), leaf((3, 4), 24)),
+        leaf((2, 3, 4), 23),
+        leaf((3, 4), 24),
+    ),
     "layer_norm_bias_only": lambda: (
-        lambda x, b: out_of_place(mti.layer_norm_)(x, (5,), None, b), leaf((3, 5), 25),
-        leaf((5,), 26)),
+        lambda x, b: out_of_place(mti.layer_norm_)(x, (5,), None, b),
+        leaf((3, 5), 25),
+        leaf((5,), 26),
+    ),
     "rms_norm": lambda: (out_of_place(mti.rms_norm_, normalized_shape=(9,)), leaf((4, 9), 27)),
     "rms_norm_weight": lambda: (
-        lambda x, w: out_of_place(mti.rms_norm_, eps=1e-6)(x, (2, 5), w), leaf((3, 2, 5), 28),
-        leaf((2, 5), 29)),
+        lambda x, w: out_of_place(mti.rms_norm_, eps=1e-6)(x, (2, 5), w),
+        leaf((3, 2, 5), 28),
+        leaf((2, 5), 29),
+    ),
     "square_matmul": lambda: (
         lambda x: out_of_place(mti.square_matmul_)(x, randn((6, 6), F64, "cpu", 30)),
-        leaf((2, 3, 6), 31)),
+        leaf((2, 3, 6), 31),
+    ),
     "square_matmul_bias_transpose_no_workspace": lambda: (
         lambda x, b: out_of_place(mti.square_matmul_, transpose=True, workspace_bytes=0)(
-            x, randn((6, 6), F64, "cpu", 32), b), leaf((5, 6), 33), leaf((6,), 34)),
+            x, randn((6, 6), F64, "cpu", 32), b
+        ),
+        leaf((5, 6), 33),
+        leaf((6,), 34),
+    ),
     "linear_bias": lambda: (
         lambda x, b: out_of_place(mti.linear_)(x, randn((6, 6), F64, "cpu", 35), b),
-        leaf((5, 6), 36), leaf((6,), 37)),
+        leaf((5, 6), 36),
+        leaf((6,), 37),
+    ),
 }
 
 
@@ -128,8 +156,9 @@ def check_grads(op, ref, inputs, **kwargs):
         args = [leaf_copy(a) for a in inputs]
         kw = {k: leaf_copy(v) for k, v in kwargs.items()}
         out = fn(*args, **kw)
-        wrt = [a for a in args + list(kw.values())
-               if isinstance(a, torch.Tensor) and a.requires_grad]
+        wrt = [
+            a for a in args + list(kw.values()) if isinstance(a, torch.Tensor) and a.requires_grad
+        ]
         return torch.autograd.grad(out, wrt, cast(grad_out))
 
     def ours(x, *rest, **kw):
@@ -158,20 +187,44 @@ def _lowp_cases(device, dtype):
     return {
         "softmax": (mti.softmax_, ref_softmax, [t((3, 5, 33), 41)], {"scale": 0.5}),
         "softmax_dim0": (mti.softmax_, ref_softmax, [t((6, 7), 42), 0], {}),
-        "softmax_causal_bool_mask": (mti.softmax_, ref_softmax, [t((2, 6, 9), 43)],
-                                     {"causal": True, "mask": bool_mask((6, 9), 44, device)}),
-        "softmax_additive_mask": (mti.softmax_, ref_softmax, [t((2, 6, 9), 45)],
-                                  {"mask": t((9,), 46)}),
+        "softmax_causal_bool_mask": (
+            mti.softmax_,
+            ref_softmax,
+            [t((2, 6, 9), 43)],
+            {"causal": True, "mask": bool_mask((6, 9), 44, device)},
+        ),
+        "softmax_additive_mask": (
+            mti.softmax_,
+            ref_softmax,
+            [t((2, 6, 9), 45)],
+            {"mask": t((9,), 46)},
+        ),
         "log_softmax": (mti.log_softmax_, ref_log_softmax, [t((3, 5, 33), 47)], {}),
-        "log_softmax_causal_bool_mask": (mti.log_softmax_, ref_log_softmax, [t((2, 6, 9), 48)],
-                                         {"causal": True, "mask": bool_mask((6, 9), 49, device)}),
-        "layer_norm": (mti.layer_norm_, ref_layer_norm,
-                       [t((4, 3, 40), 50), (40,), norm_weight((40,), 51), t((40,), 52)], {}),
+        "log_softmax_causal_bool_mask": (
+            mti.log_softmax_,
+            ref_log_softmax,
+            [t((2, 6, 9), 48)],
+            {"causal": True, "mask": bool_mask((6, 9), 49, device)},
+        ),
+        "layer_norm": (
+            mti.layer_norm_,
+            ref_layer_norm,
+            [t((4, 3, 40), 50), (40,), norm_weight((40,), 51), t((40,), 52)],
+            {},
+        ),
         "layer_norm_no_affine": (mti.layer_norm_, ref_layer_norm, [t((4, 40), 53), (40,)], {}),
-        "rms_norm": (mti.rms_norm_, ref_rms_norm,
-                     [t((4, 3, 40), 54), (3, 40), norm_weight((3, 40), 55)], {}),
-        "square_matmul": (mti.square_matmul_, ref_square_matmul, [t((5, k), 56), w, t((k,), 57)],
-                          {}),
+        "rms_norm": (
+            mti.rms_norm_,
+            ref_rms_norm,
+            [t((4, 3, 40), 54), (3, 40), norm_weight((3, 40), 55)],
+            {},
+        ),
+        "square_matmul": (
+            mti.square_matmul_,
+            ref_square_matmul,
+            [t((5, k), 56), w, t((k,), 57)],
+            {},
+        ),
         "linear_": (mti.linear_, ref_linear, [t((5, k), 58), w, t((k,), 59)], {}),
     }
 

@@ -6,11 +6,6 @@ written."""
 
 import pytest
 import torch
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
-from torch.autograd import gradcheck
-
-import make_torch_inplace as mti
 from helpers import (
     DEVICES,
     DTYPE_PARAMS,
@@ -34,6 +29,11 @@ from helpers import (
     widths,
     with_layout,
 )
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck
+
+import make_torch_inplace as mti
 
 _ops = torch.ops.make_torch_inplace
 F32, F64 = torch.float32, torch.float64
@@ -63,8 +63,10 @@ def check_grads(op, ref, x, params=(), grad_out=None, **kwargs):
     def cast64(t):
         return t.double() if isinstance(t, torch.Tensor) else t
 
-    kw64 = {k: cast64(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-            for k, v in kwargs.items()}
+    kw64 = {
+        k: cast64(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in kwargs.items()
+    }
     ref64 = grads_of(ref, x.double(), [cast64(p) for p in params], grad_out.double(), **kw64)
     torch_grads = grads_of(ref, x, params, grad_out, **kwargs)
 
@@ -101,9 +103,15 @@ def make_mask(kind, shape, device, dtype, seed, fully_masked_row=False):
 
 
 @settings(max_examples=examples(40))
-@given(lead=lead_shapes(max_dims=2), n=widths(), seed=seeds, log=st.booleans(),
-       scale=st.sampled_from([None, 0.37, 2.0]), mask=st.sampled_from(["none", "bool", "additive"]),
-       causal=st.booleans())
+@given(
+    lead=lead_shapes(max_dims=2),
+    n=widths(),
+    seed=seeds,
+    log=st.booleans(),
+    scale=st.sampled_from([None, 0.37, 2.0]),
+    mask=st.sampled_from(["none", "bool", "additive"]),
+    causal=st.booleans(),
+)
 # A causal row of 2 unmasked elements whose correctly rounded float16 outputs do not sum to
 # 1, with grad - sum(grad * y) cancelling: softmax's gradient must divide by sum(y).
 @example(lead=(), n=35, seed=668, log=False, scale=None, mask="additive", causal=True)
@@ -175,7 +183,7 @@ def test_fully_masked_rows_get_zero_gradient():
 def norm_case(device, dtype, shape, k, seed, weight, bias):
     """x and its (weight, bias) around 1 and 0 as trained ones are: the backward recovers
     x_hat = (y - bias) / weight, which ops.py documents as imprecise where |weight| is tiny."""
-    normalized = shape[len(shape) - k:]
+    normalized = shape[len(shape) - k :]
     x = randn(shape, dtype, device, seed, scale=2.0).add_(0.5)
     w = (1.0 + randn(normalized, F32, device, seed + 1, scale=0.1)).to(dtype) if weight else None
     b = randn(normalized, dtype, device, seed + 2, scale=0.1) if bias else None
@@ -192,9 +200,14 @@ NORM_WIDTHS = tuple(n for n in PATH_WIDTHS + ODD_WIDTHS if n >= 8) + (70000,)
 
 
 @settings(max_examples=examples(40))
-@given(lead=lead_shapes(max_dims=2), n=st.integers(8, 64) | st.sampled_from(NORM_WIDTHS),
-       seed=seeds, weight=st.booleans(),
-       bias=st.booleans(), rms=st.booleans())
+@given(
+    lead=lead_shapes(max_dims=2),
+    n=st.integers(8, 64) | st.sampled_from(NORM_WIDTHS),
+    seed=seeds,
+    weight=st.booleans(),
+    bias=st.booleans(),
+    rms=st.booleans(),
+)
 # An 8-wide row whose grad_x doubles any extra error in y and rstd: the CUDA norms must
 # round rstd correctly (__frsqrt_rn; rsqrtf's 2 ulp fail it).
 @example(lead=(), n=8, seed=86, weight=False, bias=False, rms=False)
@@ -227,8 +240,14 @@ def test_norm_grads_widths(device, dtype, rms, n):
         check_grads(mti.layer_norm_, ref_layer_norm, x, (normalized, w, b, 1e-5))
 
 
-MANY_ROWS = {"lanes": (3000, 24), "lanes_scalar": (3000, 23), "warps": (3001, 1000),
-             "warps_uneven": (3001, 1200), "cluster": (600, 8200), "streamed": (600, 8201)}
+MANY_ROWS = {
+    "lanes": (3000, 24),
+    "lanes_scalar": (3000, 23),
+    "warps": (3001, 1000),
+    "warps_uneven": (3001, 1200),
+    "cluster": (600, 8200),
+    "streamed": (600, 8201),
+}
 
 
 # On the CPU, which sums the parameter gradients over all rows in blocks of 64 columns on one
@@ -275,8 +294,7 @@ def test_norm_weight_zero_gives_finite_gradients():
 # fill part of a CTA of 512), clusters of 2 to 16 CTAs, and rows past what clusters of 16
 # hold; at least as many rows as fit at once on 132 SMs (264 CTAs), so each CTA strides over
 # rows through its staging buffers.
-CLUSTER_WIDTHS = (4100, 6144, 8192, 12288, 16448, 20480, 32768, 36864, 61440, 65536, 131072,
-                  131080)
+CLUSTER_WIDTHS = (4100, 6144, 8192, 12288, 16448, 20480, 32768, 36864, 61440, 65536, 131072, 131080)
 CLUSTER_OPS = ("softmax", "log_softmax_causal", "layer_norm", "rms_norm", "rms_norm_no_weight")
 
 
@@ -295,8 +313,9 @@ def test_grads_cluster_rows(dtype, op, n):
             check_grads(mti.rms_norm_, ref_rms_norm, x, (normalized, w, 1e-6))
     elif op == "softmax":
         x = randn(shape, dtype, "cuda", n, scale=3.0)
-        check_grads(mti.softmax_, ref_softmax, x, scale=0.5,
-                    mask=make_mask("bool", (n,), "cuda", dtype, 5))
+        check_grads(
+            mti.softmax_, ref_softmax, x, scale=0.5, mask=make_mask("bool", (n,), "cuda", dtype, 5)
+        )
     else:
         x = randn(shape, dtype, "cuda", n, scale=3.0)
         check_grads(mti.log_softmax_, ref_log_softmax, x, causal=True)
@@ -341,8 +360,9 @@ def test_softmax_backward_layouts(device, layout):
     assert out_guard.outside_unchanged()
     assert bitwise_equal(grad_x.contiguous(), expected)
     expanded = torch.ones(1, 1, 1, device=device).expand(shape)
-    assert bitwise_equal(direct_softmax(y, expanded, mask=mask),
-                         direct_softmax(y, expanded.contiguous(), mask=mask))
+    assert bitwise_equal(
+        direct_softmax(y, expanded, mask=mask), direct_softmax(y, expanded.contiguous(), mask=mask)
+    )
 
 
 @pytest.mark.parametrize("layout", ROW_STRIDED_LAYOUTS)
@@ -400,8 +420,9 @@ def test_norm_backward_partial_outputs(device):
         assert bitwise_equal(outs[keep], full[keep])
     gw, gb = torch.full_like(w, SENTINEL), torch.full_like(b, SENTINEL)
     y0 = y[:0]
-    _ops.norm_backward(y0, grad[:0], normalized, w, b, rstd[:0], False, torch.empty_like(y0),
-                       gw, gb)
+    _ops.norm_backward(
+        y0, grad[:0], normalized, w, b, rstd[:0], False, torch.empty_like(y0), gw, gb
+    )
     assert (gw == 0).all() and (gb == 0).all()
 
 
@@ -418,13 +439,22 @@ def _out_of_place(op, **kwargs):
 
 GRADCHECK_CASES = {
     "softmax_mask_causal_scale": (
-        _out_of_place(mti.softmax_, causal=True, scale=0.7,
-                      mask=make_mask("bool", (5, 6), "cpu", F64, 30, True)), [(2, 5, 6)]),
+        _out_of_place(
+            mti.softmax_,
+            causal=True,
+            scale=0.7,
+            mask=make_mask("bool", (5, 6), "cpu", F64, 30, True),
+        ),
+        [(2, 5, 6)],
+    ),
     "log_softmax_additive_mask": (
         _out_of_place(mti.log_softmax_, mask=make_mask("additive", (4, 7), "cpu", F64, 31)),
-        [(3, 4, 7)]),
+        [(3, 4, 7)],
+    ),
     "layer_norm_affine_odd": (
-        lambda x, w, b: mti.layer_norm_(x * 1, (13,), w, b), [(5, 13), (13,), (13,)]),
+        lambda x, w, b: mti.layer_norm_(x * 1, (13,), w, b),
+        [(5, 13), (13,), (13,)],
+    ),
     "rms_norm_weight": (lambda x, w: mti.rms_norm_(x * 1, (3, 5), w), [(2, 3, 5), (3, 5)]),
 }
 
@@ -432,8 +462,10 @@ GRADCHECK_CASES = {
 @pytest.mark.parametrize("case", GRADCHECK_CASES.values(), ids=GRADCHECK_CASES.keys())
 def test_gradcheck_fp64(case):
     fn, shapes = case
-    inputs = [randn(s, F64, "cpu", i).add_(1.0 if i else 0.0).requires_grad_()
-              for i, s in enumerate(shapes)]
+    inputs = [
+        randn(s, F64, "cpu", i).add_(1.0 if i else 0.0).requires_grad_()
+        for i, s in enumerate(shapes)
+    ]
     assert gradcheck(fn, tuple(inputs))
 
 
@@ -448,12 +480,29 @@ def opcheck_samples(device):
     e = torch.empty(0, device=device)
     return {
         "softmax": (sb, (y, r(2, 6, 6, seed=3), -1, 0.5, None, False, False, torch.empty_like(y))),
-        "log_softmax_causal_mask": (sb, (y.log(), r(2, 6, 6, seed=4), -1, 1.0, r(6, 6) > 0, True,
-                                         True, torch.empty_like(y))),
-        "layer_norm": (nb, (y, r(2, 6, 6, seed=5), [6], w, b, rstd, False, torch.empty_like(y),
-                            torch.empty_like(w), torch.empty_like(b))),
-        "rms_norm_weight_only": (nb, (y, r(2, 6, 6, seed=6), [6], w, None, rstd, True, e,
-                                      torch.empty_like(w), e)),
+        "log_softmax_causal_mask": (
+            sb,
+            (y.log(), r(2, 6, 6, seed=4), -1, 1.0, r(6, 6) > 0, True, True, torch.empty_like(y)),
+        ),
+        "layer_norm": (
+            nb,
+            (
+                y,
+                r(2, 6, 6, seed=5),
+                [6],
+                w,
+                b,
+                rstd,
+                False,
+                torch.empty_like(y),
+                torch.empty_like(w),
+                torch.empty_like(b),
+            ),
+        ),
+        "rms_norm_weight_only": (
+            nb,
+            (y, r(2, 6, 6, seed=6), [6], w, None, rstd, True, e, torch.empty_like(w), e),
+        ),
     }
 
 
@@ -480,41 +529,90 @@ def _bad_cases(d):
     sb, nb = _ops.softmax_backward, _ops.norm_backward
     big = dx()
     return {
-        "grad_shape": (dx(), lambda o: sb(y, g[:, :7], -1, 1.0, None, False, False, o),
-                       RuntimeError, "grad must have y's shape"),
-        "grad_dtype": (dx(), lambda o: sb(y, g.double(), -1, 1.0, None, False, False, o),
-                       RuntimeError, "grad must have y's dtype"),
-        "grad_x_dtype": (dx().half(), lambda o: sb(y, g, -1, 1.0, None, False, False, o),
-                         RuntimeError, "grad_x must have y's dtype"),
-        "grad_x_shape": (torch.full((4, 7), SENTINEL, device=d),
-                         lambda o: sb(y, g, -1, 1.0, None, False, False, o),
-                         RuntimeError, "grad_x must have y's shape"),
-        "grad_x_is_grad": (big, lambda o: sb(y, o, -1, 1.0, None, False, False, o),
-                           RuntimeError, "grad_x overlaps grad"),
-        "grad_x_expanded": (torch.full((1, 8), SENTINEL, device=d).expand(4, 8),
-                            lambda o: sb(y, g, -1, 1.0, None, False, False, o),
-                            RuntimeError, "grad_x has internally overlapping"),
-        "mask_shape": (dx(), lambda o: sb(y, g, -1, 1.0, torch.ones(3, dtype=torch.bool,
-                                                                   device=d), False, False, o),
-                       RuntimeError, "broadcast"),
-        "causal_1d": (torch.full((8,), SENTINEL, device=d),
-                      lambda o: sb(y[0], g[0], -1, 1.0, None, True, False, o),
-                      ValueError, "causal"),
-        "norm_rstd_size": (dx(), lambda o: nb(y, g, [8], w, b, rstd[:3], False, o, e, e),
-                           RuntimeError, "rstd must be"),
-        "norm_shape": (dx(), lambda o: nb(y, g, [7], w, b, rstd, False, o, e, e),
-                       RuntimeError, "normalized_shape"),
+        "grad_shape": (
+            dx(),
+            lambda o: sb(y, g[:, :7], -1, 1.0, None, False, False, o),
+            RuntimeError,
+            "grad must have y's shape",
+        ),
+        "grad_dtype": (
+            dx(),
+            lambda o: sb(y, g.double(), -1, 1.0, None, False, False, o),
+            RuntimeError,
+            "grad must have y's dtype",
+        ),
+        "grad_x_dtype": (
+            dx().half(),
+            lambda o: sb(y, g, -1, 1.0, None, False, False, o),
+            RuntimeError,
+            "grad_x must have y's dtype",
+        ),
+        "grad_x_shape": (
+            torch.full((4, 7), SENTINEL, device=d),
+            lambda o: sb(y, g, -1, 1.0, None, False, False, o),
+            RuntimeError,
+            "grad_x must have y's shape",
+        ),
+        "grad_x_is_grad": (
+            big,
+            lambda o: sb(y, o, -1, 1.0, None, False, False, o),
+            RuntimeError,
+            "grad_x overlaps grad",
+        ),
+        "grad_x_expanded": (
+            torch.full((1, 8), SENTINEL, device=d).expand(4, 8),
+            lambda o: sb(y, g, -1, 1.0, None, False, False, o),
+            RuntimeError,
+            "grad_x has internally overlapping",
+        ),
+        "mask_shape": (
+            dx(),
+            lambda o: sb(y, g, -1, 1.0, torch.ones(3, dtype=torch.bool, device=d), False, False, o),
+            RuntimeError,
+            "broadcast",
+        ),
+        "causal_1d": (
+            torch.full((8,), SENTINEL, device=d),
+            lambda o: sb(y[0], g[0], -1, 1.0, None, True, False, o),
+            ValueError,
+            "causal",
+        ),
+        "norm_rstd_size": (
+            dx(),
+            lambda o: nb(y, g, [8], w, b, rstd[:3], False, o, e, e),
+            RuntimeError,
+            "rstd must be",
+        ),
+        "norm_shape": (
+            dx(),
+            lambda o: nb(y, g, [7], w, b, rstd, False, o, e, e),
+            RuntimeError,
+            "normalized_shape",
+        ),
         "norm_grad_weight_without_weight": (
-            dx(), lambda o: nb(y, g, [8], None, b, rstd, False, o, torch.empty(8, device=d), e),
-            RuntimeError, "grad_weight is given but weight is None"),
+            dx(),
+            lambda o: nb(y, g, [8], None, b, rstd, False, o, torch.empty(8, device=d), e),
+            RuntimeError,
+            "grad_weight is given but weight is None",
+        ),
         "norm_grad_weight_shape": (
-            dx(), lambda o: nb(y, g, [8], w, b, rstd, False, o, torch.empty(7, device=d), e),
-            RuntimeError, "grad_weight must be a contiguous tensor of shape"),
+            dx(),
+            lambda o: nb(y, g, [8], w, b, rstd, False, o, torch.empty(7, device=d), e),
+            RuntimeError,
+            "grad_weight must be a contiguous tensor of shape",
+        ),
         "norm_grad_bias_overlaps_grad_x": (
-            big, lambda o: nb(y, g, [8], w, b, rstd, False, o, e, o[0]),
-            RuntimeError, "grad_bias overlaps grad_x"),
-        "norm_rms_with_bias": (dx(), lambda o: nb(y, g, [8], w, b, rstd, True, o, e, e),
-                               ValueError, "no bias"),
+            big,
+            lambda o: nb(y, g, [8], w, b, rstd, False, o, e, o[0]),
+            RuntimeError,
+            "grad_bias overlaps grad_x",
+        ),
+        "norm_rms_with_bias": (
+            dx(),
+            lambda o: nb(y, g, [8], w, b, rstd, True, o, e, e),
+            ValueError,
+            "no bias",
+        ),
     }
 
 

@@ -4,9 +4,9 @@ before the first byte of x is written)."""
 
 import pytest
 import torch
+from helpers import DEVICES, Untouched, check_op, randn, ref_linear, requires_cuda
 
 import make_torch_inplace as mti
-from helpers import DEVICES, Untouched, check_op, randn, ref_linear, requires_cuda
 
 _ops = torch.ops.make_torch_inplace
 F32 = torch.float32
@@ -54,14 +54,22 @@ def _matmul_bias_dtype(d):
 
 def _matmul_bias_shape(d):
     x = rand(4, 8, device=d)
-    return x, lambda: mti.square_matmul_(x, rand(8, 8, device=d), rand(1, 8, device=d)), \
-        RuntimeError, "bias must have shape"
+    return (
+        x,
+        lambda: mti.square_matmul_(x, rand(8, 8, device=d), rand(1, 8, device=d)),
+        RuntimeError,
+        "bias must have shape",
+    )
 
 
 def _matmul_bias_length(d):
     x = rand(4, 8, device=d)
-    return x, lambda: mti.square_matmul_(x, rand(8, 8, device=d), rand(9, device=d)), \
-        RuntimeError, "bias must have shape"
+    return (
+        x,
+        lambda: mti.square_matmul_(x, rand(8, 8, device=d), rand(9, device=d)),
+        RuntimeError,
+        "bias must have shape",
+    )
 
 
 def _matmul_int(d):
@@ -82,8 +90,12 @@ def _matmul_x_views_weight(d):
 
 def _matmul_x_overlaps_bias(d):
     big = rand(5, 8, device=d)
-    return big, lambda: mti.square_matmul_(big, rand(8, 8, device=d), big[2]), RuntimeError, \
-        "overlaps bias"
+    return (
+        big,
+        lambda: mti.square_matmul_(big, rand(8, 8, device=d), big[2]),
+        RuntimeError,
+        "overlaps bias",
+    )
 
 
 def _matmul_expanded_x(d):
@@ -99,8 +111,12 @@ def _matmul_transposed_x(d):
 
 def _matmul_negative_workspace(d):
     x = rand(4, 8, device=d)
-    return x, lambda: mti.square_matmul_(x, rand(8, 8, device=d), workspace_bytes=-1), \
-        ValueError, "workspace"
+    return (
+        x,
+        lambda: mti.square_matmul_(x, rand(8, 8, device=d), workspace_bytes=-1),
+        ValueError,
+        "workspace",
+    )
 
 
 def _matmul_scalar_x(d):
@@ -125,14 +141,22 @@ def _softmax_dim_out_of_range_negative(d):
 
 def _softmax_mask_not_broadcastable(d):
     x = rand(4, 5, device=d)
-    return x, lambda: mti.softmax_(x, mask=torch.ones(3, dtype=torch.bool, device=d)), \
-        RuntimeError, "broadcast"
+    return (
+        x,
+        lambda: mti.softmax_(x, mask=torch.ones(3, dtype=torch.bool, device=d)),
+        RuntimeError,
+        "broadcast",
+    )
 
 
 def _softmax_mask_more_dims(d):
     x = rand(4, 5, device=d)
-    return x, lambda: mti.softmax_(x, mask=torch.ones(2, 4, 5, dtype=torch.bool, device=d)), \
-        RuntimeError, "broadcast"
+    return (
+        x,
+        lambda: mti.softmax_(x, mask=torch.ones(2, 4, 5, dtype=torch.bool, device=d)),
+        RuntimeError,
+        "broadcast",
+    )
 
 
 def _softmax_mask_int(d):
@@ -194,8 +218,12 @@ def _layer_norm_weight_shape(d):
 
 def _layer_norm_bias_shape(d):
     x = rand(4, 6, device=d)
-    return x, lambda: mti.layer_norm_(x, (6,), rand(6, device=d), rand(1, 6, device=d)), \
-        RuntimeError, "bias"
+    return (
+        x,
+        lambda: mti.layer_norm_(x, (6,), rand(6, device=d), rand(1, 6, device=d)),
+        RuntimeError,
+        "bias",
+    )
 
 
 def _rms_norm_weight_shape(d):
@@ -255,24 +283,58 @@ def _rms_norm_rstd_wrong_dtype(d):
 def _layer_norm_rstd_overlaps_x(d):
     x = rand(4, 6, device=d)
     rstd = x[0, :4]
-    return x, lambda: _ops.layer_norm_(x, [6], None, None, 1e-5, rstd), RuntimeError, \
-        "overlaps rstd"
+    return (
+        x,
+        lambda: _ops.layer_norm_(x, [6], None, None, 1e-5, rstd),
+        RuntimeError,
+        "overlaps rstd",
+    )
 
 
 CASES = [
-    _matmul_nonsquare, _linear_nonsquare, _matmul_k_mismatch, _matmul_weight_dtype,
-    _matmul_bias_dtype, _matmul_bias_shape, _matmul_bias_length, _matmul_int,
-    _matmul_x_is_weight, _matmul_x_views_weight, _matmul_x_overlaps_bias, _matmul_expanded_x,
-    _matmul_transposed_x, _matmul_negative_workspace, _matmul_scalar_x,
-    _softmax_int, _log_softmax_dim_out_of_range, _softmax_dim_out_of_range_negative,
-    _softmax_mask_not_broadcastable, _softmax_mask_more_dims, _softmax_mask_int,
-    _softmax_mask_is_x, _softmax_mask_views_x, _softmax_expanded_x, _softmax_causal_dim0,
-    _log_softmax_causal_1d, _softmax_too_many_strided_groups,
-    _layer_norm_shape_mismatch, _layer_norm_shape_too_long, _rms_norm_empty_shape,
-    _layer_norm_weight_shape, _layer_norm_bias_shape, _rms_norm_weight_shape,
-    _layer_norm_weight_dtype, _rms_norm_weight_dtype, _layer_norm_int, _rms_norm_int,
-    _layer_norm_weight_views_x, _rms_norm_expanded_x, _layer_norm_dims_do_not_merge,
-    _layer_norm_rstd_wrong_size, _rms_norm_rstd_wrong_dtype, _layer_norm_rstd_overlaps_x,
+    _matmul_nonsquare,
+    _linear_nonsquare,
+    _matmul_k_mismatch,
+    _matmul_weight_dtype,
+    _matmul_bias_dtype,
+    _matmul_bias_shape,
+    _matmul_bias_length,
+    _matmul_int,
+    _matmul_x_is_weight,
+    _matmul_x_views_weight,
+    _matmul_x_overlaps_bias,
+    _matmul_expanded_x,
+    _matmul_transposed_x,
+    _matmul_negative_workspace,
+    _matmul_scalar_x,
+    _softmax_int,
+    _log_softmax_dim_out_of_range,
+    _softmax_dim_out_of_range_negative,
+    _softmax_mask_not_broadcastable,
+    _softmax_mask_more_dims,
+    _softmax_mask_int,
+    _softmax_mask_is_x,
+    _softmax_mask_views_x,
+    _softmax_expanded_x,
+    _softmax_causal_dim0,
+    _log_softmax_causal_1d,
+    _softmax_too_many_strided_groups,
+    _layer_norm_shape_mismatch,
+    _layer_norm_shape_too_long,
+    _rms_norm_empty_shape,
+    _layer_norm_weight_shape,
+    _layer_norm_bias_shape,
+    _rms_norm_weight_shape,
+    _layer_norm_weight_dtype,
+    _rms_norm_weight_dtype,
+    _layer_norm_int,
+    _rms_norm_int,
+    _layer_norm_weight_views_x,
+    _rms_norm_expanded_x,
+    _layer_norm_dims_do_not_merge,
+    _layer_norm_rstd_wrong_size,
+    _rms_norm_rstd_wrong_dtype,
+    _layer_norm_rstd_overlaps_x,
 ]
 
 
@@ -300,14 +362,17 @@ def _weight_on_cpu(d):
 
 def _bias_on_cpu(d):
     x = rand(4, 8, device=d)
-    return x, lambda: mti.linear_(x, rand(8, 8, device=d), rand(8, device="cpu")), \
-        RuntimeError, "device"
+    return (
+        x,
+        lambda: mti.linear_(x, rand(8, 8, device=d), rand(8, device="cpu")),
+        RuntimeError,
+        "device",
+    )
 
 
 def _mask_on_cpu(d):
     x = rand(4, 5, device=d)
-    return x, lambda: mti.softmax_(x, mask=torch.ones(5, dtype=torch.bool)), RuntimeError, \
-        "device"
+    return x, lambda: mti.softmax_(x, mask=torch.ones(5, dtype=torch.bool)), RuntimeError, "device"
 
 
 def _norm_weight_on_cpu(d):
@@ -327,9 +392,18 @@ def _float64_on_cuda(d):
 
 
 @requires_cuda
-@pytest.mark.parametrize("case", [_weight_on_cpu, _bias_on_cpu, _mask_on_cpu,
-                                  _norm_weight_on_cpu, _rms_weight_on_cpu, _float64_on_cuda],
-                         ids=lambda c: c.__name__.lstrip("_"))
+@pytest.mark.parametrize(
+    "case",
+    [
+        _weight_on_cpu,
+        _bias_on_cpu,
+        _mask_on_cpu,
+        _norm_weight_on_cpu,
+        _rms_weight_on_cpu,
+        _float64_on_cuda,
+    ],
+    ids=lambda c: c.__name__.lstrip("_"),
+)
 def test_bad_input_cuda(case):
     check_raises_untouched(*case("cuda"))
 
@@ -338,8 +412,9 @@ def test_bad_input_cuda(case):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_weight_on_other_gpu():
     x = rand(4, 8, device="cuda:0")
-    check_raises_untouched(x, lambda: mti.square_matmul_(x, rand(8, 8, device="cuda:1")),
-                           RuntimeError, "device")
+    check_raises_untouched(
+        x, lambda: mti.square_matmul_(x, rand(8, 8, device="cuda:1")), RuntimeError, "device"
+    )
 
 
 # --------------------------------------------------------------------------- what does work

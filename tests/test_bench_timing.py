@@ -13,8 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import place_median, time_alternating  # noqa: E402
-from helpers import requires_cuda  # noqa: E402
+from helpers import requires_cuda
+
+from benchmarks.common import place_median, time_alternating
 
 
 @pytest.mark.parametrize("n_fns", [1, 2, 3, 4])
@@ -23,11 +24,12 @@ def test_turns_rotate_through_every_place(n_fns):
     fns = [lambda i=i: calls.append(i) for i in range(n_fns)]
     by_fn = time_alternating(fns, warmup_ms=0.0, rep_ms=0.0, device="cpu", min_turns=5)
     turns = -(-5 // n_fns) * n_fns  # whole rounds of places
-    timed = calls[-turns * n_fns:]
+    timed = calls[-turns * n_fns :]
     for turn in range(turns):
         # Turn t starts with fn t % n and keeps the fns' order.
-        assert timed[turn * n_fns:(turn + 1) * n_fns] == [
-            (turn + p) % n_fns for p in range(n_fns)]
+        assert timed[turn * n_fns : (turn + 1) * n_fns] == [
+            (turn + p) % n_fns for p in range(n_fns)
+        ]
     assert len(by_fn) == n_fns
     for by_place in by_fn:
         assert [len(at) for at in by_place] == [turns // n_fns] * n_fns
@@ -52,8 +54,9 @@ def test_gpu_only_leaves_the_host_time_out():
         x.add_(1)
 
     def median_ms(gpu_only):
-        by_fn = time_alternating([slow_host], warmup_ms=10.0, rep_ms=20.0, device="cuda",
-                                 min_turns=5, gpu_only=gpu_only)
+        by_fn = time_alternating(
+            [slow_host], warmup_ms=10.0, rep_ms=20.0, device="cuda", min_turns=5, gpu_only=gpu_only
+        )
         return place_median(by_fn[0])
 
     assert median_ms(gpu_only=False) > 1.5

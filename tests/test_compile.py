@@ -4,9 +4,9 @@ against the same block run eagerly."""
 
 import pytest
 import torch
+from helpers import DEVICES, randn, requires_cuda
 
 import make_torch_inplace as mti
-from helpers import DEVICES, randn, requires_cuda
 
 _ops = torch.ops.make_torch_inplace
 F32 = torch.float32
@@ -23,18 +23,24 @@ def opcheck_samples(device):
     sm, sx, ln, rms = _ops.square_matmul_, _ops.softmax_, _ops.layer_norm_, _ops.rms_norm_
     return {
         "square_matmul": (sm, (r(2, 6, 8), r(8, 8, seed=2), None, False, 1 << 20)),
-        "square_matmul_bias_transpose": (sm, (r(2, 6, 8), r(8, 8, seed=3), r(8, seed=4), True,
-                                              1 << 20)),
+        "square_matmul_bias_transpose": (
+            sm,
+            (r(2, 6, 8), r(8, 8, seed=3), r(8, seed=4), True, 1 << 20),
+        ),
         "square_matmul_no_workspace": (sm, (r(5, 8), r(8, 8, seed=5), r(8, seed=6), False, 0)),
-        "square_matmul_bf16": (sm, (r(5, 8, dtype=bf16), r(8, 8, seed=7, dtype=bf16), None,
-                                    True, 64)),
+        "square_matmul_bf16": (
+            sm,
+            (r(5, 8, dtype=bf16), r(8, 8, seed=7, dtype=bf16), None, True, 64),
+        ),
         "softmax": (sx, (r(2, 6, 6), -1, 1.0, None, False, False)),
         "softmax_dim0_scale": (sx, (r(2, 6, 6), 0, 0.5, None, False, False)),
         "softmax_bool_mask_causal": (sx, (r(2, 6, 6), -1, 0.125, bool_mask, True, False)),
         "log_softmax_additive_mask": (sx, (r(2, 6, 6), -1, 1.0, r(1, 6, seed=8), False, True)),
         "layer_norm": (ln, (r(2, 6, 8), [8], None, None, 1e-5, r(0))),
-        "layer_norm_affine_rstd": (ln, (r(2, 6, 8), [6, 8], r(6, 8, seed=9), r(6, 8, seed=10),
-                                        1e-5, r(2))),
+        "layer_norm_affine_rstd": (
+            ln,
+            (r(2, 6, 8), [6, 8], r(6, 8, seed=9), r(6, 8, seed=10), 1e-5, r(2)),
+        ),
         "rms_norm": (rms, (r(2, 6, 8), [8], None, 1e-6, r(0))),
         "rms_norm_weight_rstd": (rms, (r(2, 6, 8), [8], r(8, seed=11), 1e-6, r(2 * 6))),
     }
@@ -62,8 +68,19 @@ def make_params(device):
     def v(seed):
         return randn((D,), F32, device, seed)
 
-    return dict(ln_w=v(1), ln_b=v(2), wq=w(3), bq=v(4), wk=w(5), wv=w(6), bv=v(7), wo=w(8),
-                bo=v(9), rms_w=v(10), w_out=w(11))
+    return dict(
+        ln_w=v(1),
+        ln_b=v(2),
+        wq=w(3),
+        bq=v(4),
+        wk=w(5),
+        wv=w(6),
+        bv=v(7),
+        wo=w(8),
+        bo=v(9),
+        rms_w=v(10),
+        w_out=w(11),
+    )
 
 
 def block(x, pad_mask, p):
@@ -90,7 +107,7 @@ def block(x, pad_mask, p):
 def block_inputs(device, t=5):
     x = randn((2, t, D), F32, device, seed=12)
     pad_mask = torch.ones(2, 1, 1, t, dtype=torch.bool, device=device)
-    pad_mask[1, ..., t - 2:] = False  # the second sequence is two tokens shorter
+    pad_mask[1, ..., t - 2 :] = False  # the second sequence is two tokens shorter
     return x, pad_mask
 
 
@@ -122,8 +139,11 @@ def test_compiled_block_matches_eager(device, backend):
 
 
 @requires_cuda
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="inductor's shape padding miscompiles a mutating op on a padded bmm")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="inductor's shape padding miscompiles a mutating op on a padded bmm",
+)
 def test_compiled_block_with_inductor_shape_padding():
     with torch._inductor.config.patch(shape_padding=True, force_shape_pad=True):
         check_compiled_block("cuda", "inductor")

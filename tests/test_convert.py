@@ -10,12 +10,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, example, given, settings
-from hypothesis import strategies as st
-from torch import nn
-from torch.utils import _pytree as pytree
-
-import make_torch_inplace as mti
 from helpers import (
     DEVICES,
     assert_accurate,
@@ -26,6 +20,12 @@ from helpers import (
     ref_softmax,
     seeds,
 )
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import make_torch_inplace as mti
 
 D, HEADS = 64, 4
 
@@ -263,8 +263,11 @@ def test_grad_modes_and_inference_tensors_take_turns():
         inference_inputs = x.clone(), mask.clone()
     with torch.no_grad():
         expected = model(x, mask)
-    cases = [(torch.no_grad, (x, mask)), (torch.enable_grad, (x, mask)),
-             (torch.inference_mode, inference_inputs)]
+    cases = [
+        (torch.no_grad, (x, mask)),
+        (torch.enable_grad, (x, mask)),
+        (torch.inference_mode, inference_inputs),
+    ]
     for _ in range(2):
         for mode, inputs in cases:
             ran = converted._backend.graph_calls
@@ -555,10 +558,24 @@ def test_matmul_over_left(batch, m, k, n_less, piece_matrices, seed, monkeypatch
     seed=seeds,
 )
 # The row where PyTorch's product was the more accurate (see `expected`).
-@example(batch=(1,), t=1, s=3, d=4, dv=1, piece_matrices=1, mask_kind=None, broadcast=0,
-         scale=None, causal=False, log=True, over_left=False, seed=0)
-def test_attention_in_pieces(batch, t, s, d, dv, piece_matrices, mask_kind, broadcast, scale,
-                             causal, log, over_left, seed):
+@example(
+    batch=(1,),
+    t=1,
+    s=3,
+    d=4,
+    dv=1,
+    piece_matrices=1,
+    mask_kind=None,
+    broadcast=0,
+    scale=None,
+    causal=False,
+    log=True,
+    over_left=False,
+    seed=0,
+)
+def test_attention_in_pieces(
+    batch, t, s, d, dv, piece_matrices, mask_kind, broadcast, scale, causal, log, over_left, seed
+):
     """softmax(q @ k_t * scale + mask) @ v a few matrices of the last batch dim at a time
     (pieces of `piece_matrices` matrices), with a mask broadcast over any of the dims: equal
     to the unpieced computation within its error against fp64; q, k_t, v and the mask are
@@ -590,8 +607,9 @@ def test_attention_in_pieces(batch, t, s, d, dv, piece_matrices, mask_kind, broa
         (mti.log_softmax_ if log else mti.softmax_)(scores, -1, **{**kwargs, "mask": mask})
         return scores @ v
 
-    ref64 = reference(*(None if x is None else x.double() if x.is_floating_point() else x
-                        for x in inputs))
+    ref64 = reference(
+        *(None if x is None else x.double() if x.is_floating_point() else x for x in inputs)
+    )
     # Not PyTorch's result: log_softmax_'s rounding shifts a row by one constant (its log-sum-
     # exp) where PyTorch's varies per element, and "@ v" weighs a constant shift by sum(v),
     # which can cancel to far less than the terms. Such a row (t = 1, s = 3, seed 0) had
@@ -844,7 +862,7 @@ def test_training_mode_under_no_grad():
 
 
 def test_rejects_non_modules():
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         mti.convert(lambda x: x)
 
 
@@ -860,14 +878,21 @@ def _hf_model(kind, attn):
         cls = transformers.GPT2Model
     elif kind == "bert":
         config = transformers.BertConfig(
-            num_hidden_layers=2, hidden_size=D, intermediate_size=4 * D,
-            num_attention_heads=HEADS, **common,
+            num_hidden_layers=2,
+            hidden_size=D,
+            intermediate_size=4 * D,
+            num_attention_heads=HEADS,
+            **common,
         )
         cls = transformers.BertModel
     else:
         config = transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=D, intermediate_size=3 * D,
-            num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, **common,
+            num_hidden_layers=2,
+            hidden_size=D,
+            intermediate_size=3 * D,
+            num_attention_heads=HEADS,
+            num_key_value_heads=HEADS // 2,
+            **common,
         )
         cls = transformers.LlamaModel
     torch.manual_seed(0)
@@ -944,7 +969,9 @@ def test_transformers_without_padding_mask(kind, attn, monkeypatch):
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     check_converted(_InputIdsOnly(model), ids)
     nodes = [n for g in graphs for n in g.nodes]
-    assert not [n for n in nodes if n.target is F.scaled_dot_product_attention
-                and n.kwargs.get("attn_mask") is not None]
+    assert not [
+        n
+        for n in nodes
+        if n.target is F.scaled_dot_product_attention and n.kwargs.get("attn_mask") is not None
+    ]
     assert not [n for n in nodes if n.target is mti.softmax_ and "mask" in n.kwargs]
-

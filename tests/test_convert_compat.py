@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import randn
 from test_convert import (
     PreNormBlock,

@@ -4,8 +4,6 @@ correctness tests live in the per-op files; this file is skipped without a GPU."
 
 import pytest
 import torch
-
-import make_torch_inplace as mti
 from helpers import (
     HAS_CUDA,
     assert_accurate,
@@ -18,6 +16,8 @@ from helpers import (
     ref_square_matmul,
     to_fp64,
 )
+
+import make_torch_inplace as mti
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
@@ -34,14 +34,32 @@ def test_transformer_sized_shapes(dtype):
     pad[1:, ..., 900:] = False
     check_op(mti.softmax_, ref_softmax, scores, -1, scale=0.125, mask=pad, causal=True)
     hidden = randn((8192, 4096), dtype, d, seed=2)
-    check_op(mti.layer_norm_, ref_layer_norm, hidden, (4096,), randn((4096,), dtype, d, 3),
-             randn((4096,), dtype, d, 4))
-    check_op(mti.rms_norm_, ref_rms_norm, randn((8192, 4096), dtype, d, 5), (4096,),
-             randn((4096,), dtype, d, 6))
+    check_op(
+        mti.layer_norm_,
+        ref_layer_norm,
+        hidden,
+        (4096,),
+        randn((4096,), dtype, d, 3),
+        randn((4096,), dtype, d, 4),
+    )
+    check_op(
+        mti.rms_norm_,
+        ref_rms_norm,
+        randn((8192, 4096), dtype, d, 5),
+        (4096,),
+        randn((4096,), dtype, d, 6),
+    )
     w = randn((4096, 4096), dtype, d, seed=7, scale=4096**-0.5)
     for ws in (None, 0):
-        check_op(mti.square_matmul_, ref_square_matmul, randn((4096, 4096), dtype, d, 8), w,
-                 randn((4096,), dtype, d, 9), transpose=True, workspace_bytes=ws)
+        check_op(
+            mti.square_matmul_,
+            ref_square_matmul,
+            randn((4096, 4096), dtype, d, 8),
+            w,
+            randn((4096,), dtype, d, 9),
+            transpose=True,
+            workspace_bytes=ws,
+        )
 
 
 # --------------------------------------------------------------------------- 64-bit offsets
@@ -98,8 +116,14 @@ def test_square_matmul_past_2_31_elements(workspace_bytes):
     k = 64
     x = torch.randn((1 << 31) // k + 2, k, dtype=BF16, device="cuda")
     w = randn((k, k), BF16, "cuda", seed=10, scale=k**-0.5)
-    check_sampled(mti.square_matmul_, ref_square_matmul, x, first_and_last_rows, w,
-                  workspace_bytes=workspace_bytes)
+    check_sampled(
+        mti.square_matmul_,
+        ref_square_matmul,
+        x,
+        first_and_last_rows,
+        w,
+        workspace_bytes=workspace_bytes,
+    )
 
 
 # --------------------------------------------------------------------------- streams, devices
@@ -110,10 +134,14 @@ def _op_calls(device):
     w = randn((256, 256), torch.float32, device, seed=11, scale=1 / 16)
     mask = randn((256,), torch.float32, device, seed=12) > 0
     return {
-        "square_matmul_": (lambda x: mti.square_matmul_(x, w),
-                           lambda x: ref_square_matmul(x, w.to(x.dtype))),
-        "square_matmul_no_workspace": (lambda x: mti.square_matmul_(x, w, workspace_bytes=0),
-                                       lambda x: ref_square_matmul(x, w.to(x.dtype))),
+        "square_matmul_": (
+            lambda x: mti.square_matmul_(x, w),
+            lambda x: ref_square_matmul(x, w.to(x.dtype)),
+        ),
+        "square_matmul_no_workspace": (
+            lambda x: mti.square_matmul_(x, w, workspace_bytes=0),
+            lambda x: ref_square_matmul(x, w.to(x.dtype)),
+        ),
         "softmax_": (lambda x: mti.softmax_(x, mask=mask), lambda x: ref_softmax(x, mask=mask)),
         "log_softmax_": (lambda x: mti.log_softmax_(x, dim=0), lambda x: ref_log_softmax(x, 0)),
         "layer_norm_": (lambda x: mti.layer_norm_(x, (256,)), lambda x: ref_layer_norm(x, (256,))),

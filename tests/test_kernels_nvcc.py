@@ -17,17 +17,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = sorted((ROOT / "csrc" / "kernels").rglob("*.cu"))
 NVCC = shutil.which("nvcc") or (
-    os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if "CUDA_HOME" in os.environ else None)
+    os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if "CUDA_HOME" in os.environ else None
+)
 
 # setup.py's nvcc flags and its default TORCH_CUDA_ARCH_LIST "7.5;8.0;8.6;8.9;9.0a" with PTX for
 # compute_90: machine code for each architecture (sm_90a: with the warpgroup MMA kernels) plus
 # PTX that later GPUs compile. Keep the two in step.
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
 GENCODES = [f"arch=compute_{a},code=sm_{a}" for a in ("75", "80", "86", "89", "90a")] + [
-    "arch=compute_90,code=compute_90"]
+    "arch=compute_90,code=compute_90"
+]
 
 pytestmark = pytest.mark.skipif(
-    NVCC is None or not Path(NVCC).exists(), reason="nvcc not found (PATH, CUDA_HOME)")
+    NVCC is None or not Path(NVCC).exists(), reason="nvcc not found (PATH, CUDA_HOME)"
+)
 
 
 @functools.cache
@@ -35,8 +38,16 @@ def nvcc(source: Path) -> subprocess.CompletedProcess:
     """Compiles source (-c, host code included) for every target once per test session; both
     tests below read the same run."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [NVCC, *NVCC_FLAGS, "-I", str(ROOT / "csrc"), "-Xptxas", "-v",
-               "--threads", str(min(len(GENCODES), os.cpu_count() or 1))]
+        cmd = [
+            NVCC,
+            *NVCC_FLAGS,
+            "-I",
+            str(ROOT / "csrc"),
+            "-Xptxas",
+            "-v",
+            "--threads",
+            str(min(len(GENCODES), os.cpu_count() or 1)),
+        ]
         for g in GENCODES:
             cmd += ["-gencode", g]
         out = Path(tmp) / (source.stem + ".o")
@@ -65,8 +76,10 @@ def spills(ptxas_log: str) -> list[str]:
 
 # One nvcc call per kernel file with every architecture (CI has 2 cores); before any kernel
 # file exists, one skipped placeholder says so.
-KERNEL_PARAMS = [pytest.param(k, id=str(k.relative_to(ROOT / "csrc" / "kernels"))) for k in KERNELS] or [
-    pytest.param(None, id="none", marks=pytest.mark.skip(reason="no csrc/kernels/*.cu yet"))]
+KERNEL_PARAMS = [
+    pytest.param(k, id=str(k.relative_to(ROOT / "csrc" / "kernels"))) for k in KERNELS
+] or [pytest.param(None, id="none", marks=pytest.mark.skip(reason="no csrc/kernels/*.cu yet"))]
+
 
 @pytest.mark.parametrize("source", KERNEL_PARAMS)
 def test_compiles_for_every_arch(source):
@@ -99,13 +112,26 @@ def test_cuda_host_code_compiles(source):
     cpp_extension = pytest.importorskip("torch.utils.cpp_extension")
     includes = [ROOT / "csrc", *cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [NVCC, *NVCC_FLAGS, *cpp_extension.COMMON_NVCC_FLAGS, "-DMTI_WITH_CUDA=1",
-               "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
-               "-gencode", "arch=compute_90,code=sm_90", *[f"-I{p}" for p in includes],
-               # After every real include directory: a toolkit's own headers win.
-               "-Xcompiler", f"-idirafter{CUDA_STUBS}",
-               "-c", str(source), "-o", str(Path(tmp) / (source.stem + ".o"))]
+        cmd = [
+            NVCC,
+            *NVCC_FLAGS,
+            *cpp_extension.COMMON_NVCC_FLAGS,
+            "-DMTI_WITH_CUDA=1",
+            "-DTORCH_API_INCLUDE_EXTENSION_H",
+            "-DTORCH_EXTENSION_NAME=_C",
+            "-gencode",
+            "arch=compute_90,code=sm_90",
+            *[f"-I{p}" for p in includes],
+            # After every real include directory: a toolkit's own headers win.
+            "-Xcompiler",
+            f"-idirafter{CUDA_STUBS}",
+            "-c",
+            str(source),
+            "-o",
+            str(Path(tmp) / (source.stem + ".o")),
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     errors = [line for line in result.stderr.splitlines() if "error" in line][:20]
     assert result.returncode == 0, f"nvcc failed on {source.name}:\n" + "\n".join(
-        errors or [result.stderr[-8000:]])
+        errors or [result.stderr[-8000:]]
+    )

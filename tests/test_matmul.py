@@ -8,10 +8,6 @@ import contextlib
 
 import pytest
 import torch
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
-
-import make_torch_inplace as mti
 from helpers import (
     DEVICES,
     DTYPE_PARAMS,
@@ -27,12 +23,15 @@ from helpers import (
     seeds,
     with_layout,
 )
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import make_torch_inplace as mti
 
 # How square_matmul_ is told its workspace: the default limit; workspace_bytes=0 (the kernel
 # without workspace); room for three rows, so an input of more rows runs in several chunks;
 # one byte (less than a row); and the global limit, through the context manager and the setter.
-WORKSPACE_MODES = ("default", "none", "three_rows", "one_byte", "context_three_rows",
-                   "global_none")
+WORKSPACE_MODES = ("default", "none", "three_rows", "one_byte", "context_three_rows", "global_none")
 
 
 def matmul_op(mode):
@@ -44,8 +43,7 @@ def matmul_op(mode):
             return mti.square_matmul_(x, weight, bias, transpose=transpose)
         if mode in ("none", "three_rows", "one_byte"):
             nbytes = {"none": 0, "three_rows": three_rows, "one_byte": 1}[mode]
-            return mti.square_matmul_(x, weight, bias, transpose=transpose,
-                                      workspace_bytes=nbytes)
+            return mti.square_matmul_(x, weight, bias, transpose=transpose, workspace_bytes=nbytes)
         if mode == "context_three_rows":
             with mti.workspace_limit(three_rows):
                 return mti.square_matmul_(x, weight, bias, transpose=transpose)
@@ -62,8 +60,9 @@ def matmul_op(mode):
     return op
 
 
-def check_matmul(device, dtype, lead, k, seed, *, transpose, with_bias, mode="default",
-                 layout="contiguous"):
+def check_matmul(
+    device, dtype, lead, k, seed, *, transpose, with_bias, mode="default", layout="contiguous"
+):
     x = with_layout(randn(lead + (k,), dtype, device, seed), layout)
     # Scaled so that outputs stay O(1) whatever K.
     weight = randn((k, k), dtype, device, seed + 1, scale=max(k, 1) ** -0.5)
@@ -74,17 +73,38 @@ def check_matmul(device, dtype, lead, k, seed, *, transpose, with_bias, mode="de
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=examples(30))
-@given(lead=lead_shapes(max_size=5), k=st.sampled_from([1, 3, 8, 13, 255, 1000]) |
-       st.integers(1, 40), transpose=st.booleans(), with_bias=st.booleans(),
-       mode=st.sampled_from(WORKSPACE_MODES), layout=st.sampled_from(ROW_STRIDED_LAYOUTS),
-       seed=seeds)
+@given(
+    lead=lead_shapes(max_size=5),
+    k=st.sampled_from([1, 3, 8, 13, 255, 1000]) | st.integers(1, 40),
+    transpose=st.booleans(),
+    with_bias=st.booleans(),
+    mode=st.sampled_from(WORKSPACE_MODES),
+    layout=st.sampled_from(ROW_STRIDED_LAYOUTS),
+    seed=seeds,
+)
 # A 3-row workspace over 4 rows: chunks of cuBLAS's 1-row GEMMs are less accurate in fp32 than
 # torch.matmul, so such workspaces must take the zero-workspace kernel.
-@example(lead=(4,), k=1000, transpose=False, with_bias=False, mode="three_rows",
-         layout="contiguous", seed=0)
+@example(
+    lead=(4,),
+    k=1000,
+    transpose=False,
+    with_bias=False,
+    mode="three_rows",
+    layout="contiguous",
+    seed=0,
+)
 def test_square_matmul(device, dtype, lead, k, transpose, with_bias, mode, layout, seed):
-    check_matmul(device, dtype, lead, k, seed, transpose=transpose, with_bias=with_bias,
-                 mode=mode, layout=layout)
+    check_matmul(
+        device,
+        dtype,
+        lead,
+        k,
+        seed,
+        transpose=transpose,
+        with_bias=with_bias,
+        mode=mode,
+        layout=layout,
+    )
 
 
 @pytest.mark.parametrize("mode", ["default", "none", "three_rows"])
@@ -95,8 +115,17 @@ def test_square_matmul(device, dtype, lead, k, transpose, with_bias, mode, layou
 def test_rows_not_a_tile_multiple(device, dtype, m, k, mode):
     """M of no tile size, K not a multiple of 8, both layouts of W, chunked and not."""
     for transpose in (False, True):
-        check_matmul(device, dtype, (m,), k, seed=m + k, transpose=transpose, with_bias=True,
-                     mode=mode, layout="row_padded")
+        check_matmul(
+            device,
+            dtype,
+            (m,),
+            k,
+            seed=m + k,
+            transpose=transpose,
+            with_bias=True,
+            mode=mode,
+            layout="row_padded",
+        )
 
 
 @pytest.mark.parametrize("mode", ["default", "none"])
@@ -105,8 +134,9 @@ def test_rows_not_a_tile_multiple(device, dtype, m, k, mode):
 def test_k_4097(device, dtype, mode):
     rows = 3 if device == "cpu" else 300
     for transpose in (False, True):
-        check_matmul(device, dtype, (rows,), 4097, seed=30, transpose=transpose, with_bias=True,
-                     mode=mode)
+        check_matmul(
+            device, dtype, (rows,), 4097, seed=30, transpose=transpose, with_bias=True, mode=mode
+        )
 
 
 # Shapes for sm_90's streaming zero-workspace kernels (row blocks of 64 or 128 rows shared by
@@ -116,14 +146,33 @@ def test_k_4097(device, dtype, mode):
 # K = 744 and 1784 (3 and 7 column tiles) split unevenly over the warpgroup kernel's clusters
 # of 2 and 4 blocks: the last block has a tile fewer and takes the others' x tiles idle.
 @requires_cuda
-@pytest.mark.parametrize("m,k", [(8209, 1000), (8209, 2568), (4100, 1032), (5000, 3080),
-                                 (700, 8192), (8209, 744), (4100, 1784)], ids=str)
+@pytest.mark.parametrize(
+    "m,k",
+    [
+        (8209, 1000),
+        (8209, 2568),
+        (4100, 1032),
+        (5000, 3080),
+        (700, 8192),
+        (8209, 744),
+        (4100, 1784),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_zero_workspace_cluster_shapes(dtype, m, k):
     for transpose in (False, True):
         for with_bias in (False, True):
-            check_matmul("cuda", dtype, (m,), k, seed=m + k, transpose=transpose,
-                         with_bias=with_bias, mode="none")
+            check_matmul(
+                "cuda",
+                dtype,
+                (m,),
+                k,
+                seed=m + k,
+                transpose=transpose,
+                with_bias=with_bias,
+                mode="none",
+            )
 
 
 # The few-rows kernel (CUDA, fp16/bf16 with tensor cores): with no workspace up to 64 rows
@@ -137,29 +186,66 @@ def test_zero_workspace_cluster_shapes(dtype, m, k):
 # every shape from 17 rows) run the other kernels, tested the same way.
 @requires_cuda
 @settings(max_examples=examples(80))
-@given(lead=st.sampled_from([(1,), (3,), (8,), (9,), (16,), (2, 8), (4, 3), (17,), (32,), (33,),
-                             (2, 32), (64,), (65,)]),
-       k=st.sampled_from([16, 32, 48, 1024, 1040, 1056, 2080, 4096, 4128, 1000, 8192, 8224]),
-       transpose=st.booleans(), with_bias=st.booleans(), mode=st.sampled_from(["default", "none"]),
-       layout=st.sampled_from(["contiguous", "every_other_row", "lead_permuted"]),
-       dtype=st.sampled_from([torch.float16, torch.bfloat16]), seed=seeds)
+@given(
+    lead=st.sampled_from(
+        [(1,), (3,), (8,), (9,), (16,), (2, 8), (4, 3), (17,), (32,), (33,), (2, 32), (64,), (65,)]
+    ),
+    k=st.sampled_from([16, 32, 48, 1024, 1040, 1056, 2080, 4096, 4128, 1000, 8192, 8224]),
+    transpose=st.booleans(),
+    with_bias=st.booleans(),
+    mode=st.sampled_from(["default", "none"]),
+    layout=st.sampled_from(["contiguous", "every_other_row", "lead_permuted"]),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    seed=seeds,
+)
 def test_few_rows_shapes(lead, k, transpose, with_bias, mode, layout, dtype, seed):
-    check_matmul("cuda", dtype, lead, k, seed, transpose=transpose, with_bias=with_bias,
-                 mode=mode, layout=layout)
+    check_matmul(
+        "cuda",
+        dtype,
+        lead,
+        k,
+        seed,
+        transpose=transpose,
+        with_bias=with_bias,
+        mode=mode,
+        layout=layout,
+    )
 
 
 # x @ W of one tile of rows (up to 8) at K <= 2048, and of 17-64 rows at K <= 1024 (the
 # zero-workspace mode), runs blocks of 16 columns (4-byte W loads): both sides of those
 # bounds, in rows and in K.
 @requires_cuda
-@pytest.mark.parametrize("rows,k", [(1, 16), (1, 2048), (1, 2064), (3, 1040), (8, 2048),
-                                    (9, 1024), (16, 1024), (17, 1024), (33, 1008), (64, 1024),
-                                    (64, 1040)])
+@pytest.mark.parametrize(
+    "rows,k",
+    [
+        (1, 16),
+        (1, 2048),
+        (1, 2064),
+        (3, 1040),
+        (8, 2048),
+        (9, 1024),
+        (16, 1024),
+        (17, 1024),
+        (33, 1008),
+        (64, 1024),
+        (64, 1040),
+    ],
+)
 @pytest.mark.parametrize("mode", ["default", "none"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_few_rows_narrow_blocks(dtype, mode, rows, k):
-    check_matmul("cuda", dtype, (rows,), k, rows + k, transpose=False, with_bias=True,
-                 mode=mode, layout="every_other_row")
+    check_matmul(
+        "cuda",
+        dtype,
+        (rows,),
+        k,
+        rows + k,
+        transpose=False,
+        with_bias=True,
+        mode=mode,
+        layout="every_other_row",
+    )
 
 
 def _captured_linear(static, weight, bias, prelude=lambda: None):
@@ -203,17 +289,35 @@ def test_few_rows_in_cuda_graph():
 # blocks (17, 9) leave the last cluster's second CTA without rows; rows a pitch of 2K apart
 # (every_other_row). Elsewhere these run the cuBLAS path, which they test as well.
 @requires_cuda
-@pytest.mark.parametrize("m,k,layout", [
-    (8209, 1032, "contiguous"), (4100, 2568, "contiguous"), (5000, 3080, "every_other_row"),
-    (700, 8192, "contiguous"), (8209, 744, "contiguous"), (4100, 1784, "every_other_row"),
-    (100003, 8, "contiguous"), (2050, 8200, "contiguous"), (1100, 4104, "every_other_row")],
-    ids=str)
+@pytest.mark.parametrize(
+    "m,k,layout",
+    [
+        (8209, 1032, "contiguous"),
+        (4100, 2568, "contiguous"),
+        (5000, 3080, "every_other_row"),
+        (700, 8192, "contiguous"),
+        (8209, 744, "contiguous"),
+        (4100, 1784, "every_other_row"),
+        (100003, 8, "contiguous"),
+        (2050, 8200, "contiguous"),
+        (1100, 4104, "every_other_row"),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_default_handshake_shapes(dtype, m, k, layout):
     for transpose in (False, True):
         for with_bias in (False, True):
-            check_matmul("cuda", dtype, (m,), k, seed=m + k, transpose=transpose,
-                         with_bias=with_bias, layout=layout)
+            check_matmul(
+                "cuda",
+                dtype,
+                (m,),
+                k,
+                seed=m + k,
+                transpose=transpose,
+                with_bias=with_bias,
+                layout=layout,
+            )
 
 
 def _handshake_refs(x, weight, bias):
@@ -239,10 +343,23 @@ def _handshake_inputs(m, k, seed):
 @requires_cuda
 def test_default_handshake_counters_kept_per_stream():
     k = 1032
-    for m, k_ in ((8209, k), (4100, k), (20000, k), (8209, k), (20000, k), (4100, 2568),
-                  (4100, 2568), (4100, 4104), (4100, 4104)):
-        check_op(matmul_op("default"), ref_square_matmul, *_handshake_inputs(m, k_, m + k_),
-                 transpose=True)
+    for m, k_ in (
+        (8209, k),
+        (4100, k),
+        (20000, k),
+        (8209, k),
+        (20000, k),
+        (4100, 2568),
+        (4100, 2568),
+        (4100, 4104),
+        (4100, 4104),
+    ):
+        check_op(
+            matmul_op("default"),
+            ref_square_matmul,
+            *_handshake_inputs(m, k_, m + k_),
+            transpose=True,
+        )
 
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for round_ in range(2):  # the streams' counters allocated, then kept
@@ -304,8 +421,16 @@ def test_linear(device, dtype, with_bias):
 @pytest.mark.parametrize("mode", ["default", "none"])
 def test_empty(device, shape, mode):
     """No rows, or K = 0 (x @ a 0x0 weight is the empty result itself)."""
-    check_matmul(device, torch.float32, shape[:-1], shape[-1], seed=34, transpose=False,
-                 with_bias=True, mode=mode)
+    check_matmul(
+        device,
+        torch.float32,
+        shape[:-1],
+        shape[-1],
+        seed=34,
+        transpose=False,
+        with_bias=True,
+        mode=mode,
+    )
 
 
 def test_workspace_limit_api():
@@ -317,9 +442,8 @@ def test_workspace_limit_api():
             assert mti.get_workspace_limit() == 0
         assert mti.get_workspace_limit() == 123
     assert mti.get_workspace_limit() == default
-    with pytest.raises(KeyError):
-        with mti.workspace_limit(7):
-            raise KeyError("the context manager restores the limit on the way out of an error")
+    with pytest.raises(KeyError), mti.workspace_limit(7):
+        raise KeyError("the context manager restores the limit on the way out of an error")
     assert mti.get_workspace_limit() == default
     mti.set_workspace_limit(5)
     try:
@@ -335,8 +459,17 @@ def test_workspace_limit_api():
 def test_every_workspace_mode(device):
     """Each workspace mode on one input of many rows; none leaves the global limit changed."""
     for mode in WORKSPACE_MODES:
-        check_matmul(device, torch.float32, (50,), 40, seed=35, transpose=True, with_bias=True,
-                     mode=mode, layout="row_padded")
+        check_matmul(
+            device,
+            torch.float32,
+            (50,),
+            40,
+            seed=35,
+            transpose=True,
+            with_bias=True,
+            mode=mode,
+            layout="row_padded",
+        )
         assert mti.get_workspace_limit() == mti.ops.DEFAULT_WORKSPACE_LIMIT
 
 
@@ -363,9 +496,16 @@ def test_several_chunks(device, dtype, k, lead, layout):
         x = with_layout(randn(lead + (k,), dtype, device, seed=40 + k), layout)
         weight = randn((k, k), dtype, device, seed=41, scale=k**-0.5)
         bias = randn((k,), dtype, device, seed=42)
-        check_op(lambda x, *a, **kw: mti.square_matmul_(
-                     x, *a, **kw, workspace_bytes=two_buffers_of_eight_rows(x)),
-                 ref_square_matmul, x, weight, bias, transpose=transpose)
+        check_op(
+            lambda x, *a, **kw: mti.square_matmul_(
+                x, *a, **kw, workspace_bytes=two_buffers_of_eight_rows(x)
+            ),
+            ref_square_matmul,
+            x,
+            weight,
+            bias,
+            transpose=transpose,
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -375,8 +515,14 @@ def test_chunks_of_many_rows(device):
     x = randn((1000, 64), torch.float32, device, seed=43)
     weight = randn((64, 64), torch.float32, device, seed=44, scale=0.125)
     bias = randn((64,), torch.float32, device, seed=45)
-    check_op(lambda x, *a, **kw: mti.square_matmul_(x, *a, **kw, workspace_bytes=2 * 300 * 64 * 4),
-             ref_square_matmul, x, weight, bias, transpose=True)
+    check_op(
+        lambda x, *a, **kw: mti.square_matmul_(x, *a, **kw, workspace_bytes=2 * 300 * 64 * 4),
+        ref_square_matmul,
+        x,
+        weight,
+        bias,
+        transpose=True,
+    )
 
 
 @requires_cuda
@@ -387,7 +533,8 @@ def test_side_stream_copies_land_before_the_caller_stream_goes_on():
     k, rows = 256, 4096
     src = randn((rows, k), torch.float32, "cuda", seed=46)
     weight = randn((k, k), torch.float32, "cuda", seed=47, scale=k**-0.5)
-    ref64, torch_out = ref_square_matmul(src.double(), weight.double()), ref_square_matmul(src, weight)
+    ref64 = ref_square_matmul(src.double(), weight.double())
+    torch_out = ref_square_matmul(src, weight)
     x = torch.zeros_like(src)
     caller = torch.cuda.Stream()
     caller.wait_stream(torch.cuda.current_stream())
@@ -405,14 +552,17 @@ def test_side_stream_copies_land_before_the_caller_stream_goes_on():
 # inputs of enough rows take the handshake kernel, whose workspace is an int per 128 rows).
 @pytest.mark.parametrize(
     "rows, k, workspace_bytes, dtype",
-    [(64, 1024, None, torch.bfloat16),  # one chunk: the GEMM's output, x's size, is all
-     (16384, 1024, None, torch.float32),  # pipelined through two buffers within 64 MiB
-     (16384, 1024, 3 << 20, torch.float32),  # two buffers of 1 MiB (+ the allocator's slack)
-     (4096, 2048, (1 << 20) + 5, torch.float32),  # an odd budget: two buffers of 64 rows each
-     (6144, 2048, None, torch.float32),  # 1.5 of the default's chunks: two of 3072 rows
-     (16384, 2048, None, torch.bfloat16),  # the handshake kernel on sm_90a: 512 bytes, kept
-     (16384, 2048, 256, torch.bfloat16)],  # too little for its counters: no workspace
-    ids=str)
+    [
+        (64, 1024, None, torch.bfloat16),  # one chunk: the GEMM's output, x's size, is all
+        (16384, 1024, None, torch.float32),  # pipelined through two buffers within 64 MiB
+        (16384, 1024, 3 << 20, torch.float32),  # two buffers of 1 MiB (+ the allocator's slack)
+        (4096, 2048, (1 << 20) + 5, torch.float32),  # an odd budget: two buffers of 64 rows each
+        (6144, 2048, None, torch.float32),  # 1.5 of the default's chunks: two of 3072 rows
+        (16384, 2048, None, torch.bfloat16),  # the handshake kernel on sm_90a: 512 bytes, kept
+        (16384, 2048, 256, torch.bfloat16),
+    ],  # too little for its counters: no workspace
+    ids=str,
+)
 def test_peak_memory_within_the_workspace(rows, k, workspace_bytes, dtype):
     limit = mti.get_workspace_limit() if workspace_bytes is None else workspace_bytes
     x = randn((rows, k), dtype, "cuda", seed=48)
@@ -470,10 +620,15 @@ def no_cuda_memory_to_spare():
 # No workspace to be had: square_matmul_ runs what workspace_bytes=0 runs, with no memory of
 # its own. 64 rows: the few-rows kernel, where the default mode would have cuBLAS write a new
 # output; fp32 past 64 rows: the zero-workspace kernel.
-@pytest.mark.parametrize("rows, k, transpose, dtype", [
-    (64, 8224, False, torch.bfloat16),
-    (64, 4096, True, torch.float16),
-    (4096, 1024, False, torch.float32)], ids=str)
+@pytest.mark.parametrize(
+    "rows, k, transpose, dtype",
+    [
+        (64, 8224, False, torch.bfloat16),
+        (64, 4096, True, torch.float16),
+        (4096, 1024, False, torch.float32),
+    ],
+    ids=str,
+)
 def test_workspace_out_of_memory_falls_back(rows, k, transpose, dtype):
     x = randn((rows, k), dtype, "cuda", seed=51)
     weight = randn((k, k), dtype, "cuda", seed=52, scale=k**-0.5)

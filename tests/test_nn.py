@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from helpers import DEVICES, DTYPE_PARAMS, assert_accurate, randn
 from torch import nn
 
-from helpers import DEVICES, DTYPE_PARAMS, assert_accurate, randn
 from make_torch_inplace.nn import InplaceLayerNorm, InplaceLinear, InplaceRMSNorm, InplaceSoftmax
 
 D = 64

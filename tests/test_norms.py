@@ -6,10 +6,6 @@ import functools
 
 import pytest
 import torch
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
-
-import make_torch_inplace as mti
 from helpers import (
     CPU_LONG_ROW_WIDTHS,
     DEVICES,
@@ -30,6 +26,10 @@ from helpers import (
     widths,
     with_layout,
 )
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import make_torch_inplace as mti
 
 _ops = torch.ops.make_torch_inplace
 
@@ -40,7 +40,8 @@ def norm_cases(draw):
     layout only for a single normalized dim (several must merge into one strided dim)."""
     lead = draw(lead_shapes())
     normalized = tuple(draw(st.lists(st.integers(1, 9), min_size=0, max_size=2))) + (
-        draw(widths()),)
+        draw(widths()),
+    )
     layouts = LAYOUTS if len(normalized) == 1 else ROW_STRIDED_LAYOUTS
     return lead, normalized, draw(st.sampled_from(layouts))
 
@@ -66,16 +67,21 @@ def check_rms_norm(device, dtype, lead, normalized, layout, seed, with_weight, e
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=examples(30))
-@given(case=norm_cases(), with_weight=st.booleans(), with_bias=st.booleans(),
-       eps=st.sampled_from([1e-5, 1e-6, 1e-2]), seed=seeds)
+@given(
+    case=norm_cases(),
+    with_weight=st.booleans(),
+    with_bias=st.booleans(),
+    eps=st.sampled_from([1e-5, 1e-6, 1e-2]),
+    seed=seeds,
+)
 # An fp32 row whose x - pivot (the row's first element) is itself rounded: the kernel must
 # normalize x - mean, not (x - pivot) - (mean - pivot).
-@example(case=((), (5, 7, 18), "contiguous"), with_weight=True, with_bias=True, eps=1e-5,
-         seed=3609)
+@example(case=((), (5, 7, 18), "contiguous"), with_weight=True, with_bias=True, eps=1e-5, seed=3609)
 # An fp32 row of 16 whose pivot (x[0] = 1.46) is far from its mean (-0.13): the chunks' sums
 # and means, taken around the pivot, must still round at |x - mean|, not at |x - pivot|.
-@example(case=((), (2, 8, 1), "contiguous"), with_weight=True, with_bias=False, eps=1e-6,
-         seed=70169569)
+@example(
+    case=((), (2, 8, 1), "contiguous"), with_weight=True, with_bias=False, eps=1e-6, seed=70169569
+)
 # An fp32 row of 3 with a weight, where PyTorch is nearly exact: an rstd computed in fp32 is
 # an ulp off and fails, so fp32 rows compute it in double (NormOpBase::rstd_of).
 @example(case=((), (3,), "contiguous"), with_weight=True, with_bias=False, eps=1e-5, seed=0)
@@ -87,8 +93,13 @@ def test_layer_norm(device, dtype, case, with_weight, with_bias, eps, seed):
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=examples(20))
-@given(rows=st.integers(1, 8), n=widths(), offset=st.sampled_from([-300.0, 100.0, 1000.0, 3e4]),
-       spread=st.sampled_from([1e-3, 1.0, 30.0]), seed=seeds)
+@given(
+    rows=st.integers(1, 8),
+    n=widths(),
+    offset=st.sampled_from([-300.0, 100.0, 1000.0, 3e4]),
+    spread=st.sampled_from([1e-3, 1.0, 30.0]),
+    seed=seeds,
+)
 # Rows of 3 at offset 100: a CPU kernel that rounds the mean to fp32 before subtracting it
 # fails; its outputs are computed in double.
 @example(rows=3, n=3, offset=100.0, spread=30.0, seed=738)
@@ -107,8 +118,12 @@ def test_layer_norm_with_a_large_common_offset(device, dtype, rows, n, offset, s
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=examples(30))
-@given(case=norm_cases(), with_weight=st.booleans(),
-       eps=st.sampled_from([None, 1e-6, 1e-5, 1e-2]), seed=seeds)
+@given(
+    case=norm_cases(),
+    with_weight=st.booleans(),
+    eps=st.sampled_from([None, 1e-6, 1e-5, 1e-2]),
+    seed=seeds,
+)
 def test_rms_norm(device, dtype, case, with_weight, eps, seed):
     lead, normalized, layout = case
     check_rms_norm(device, dtype, lead, normalized, layout, seed, with_weight, eps)
@@ -132,15 +147,33 @@ def test_rms_norm_default_eps_is_F_rms_norms(device, dtype):
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape,normalized", [((0, 7), (7,)), ((3, 0), (0,)), ((2, 0, 4), (0, 4)),
-                                              ((0,), (0,))], ids=str)
+@pytest.mark.parametrize(
+    "shape,normalized", [((0, 7), (7,)), ((3, 0), (0,)), ((2, 0, 4), (0, 4)), ((0,), (0,))], ids=str
+)
 def test_empty(device, op, shape, normalized):
     if op == "layer_norm":
-        check_layer_norm(device, torch.float32, shape[:len(shape) - len(normalized)], normalized,
-                         "contiguous", 21, True, True, 1e-5)
+        check_layer_norm(
+            device,
+            torch.float32,
+            shape[: len(shape) - len(normalized)],
+            normalized,
+            "contiguous",
+            21,
+            True,
+            True,
+            1e-5,
+        )
     else:
-        check_rms_norm(device, torch.float32, shape[:len(shape) - len(normalized)], normalized,
-                       "contiguous", 21, True, 1e-5)
+        check_rms_norm(
+            device,
+            torch.float32,
+            shape[: len(shape) - len(normalized)],
+            normalized,
+            "contiguous",
+            21,
+            True,
+            1e-5,
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
@@ -158,8 +191,9 @@ def test_long_row_paths(device, dtype, n):
     """Rows at the edges of the long-row paths, where a CTA's last step, stashed or in
     registers, is empty or partly full, with each param cached or not."""
     for seed, (with_weight, with_bias) in enumerate([(True, True), (False, True)]):
-        check_layer_norm(device, dtype, (3,), (n,), "contiguous", 50 + seed, with_weight,
-                         with_bias, 1e-5)
+        check_layer_norm(
+            device, dtype, (3,), (n,), "contiguous", 50 + seed, with_weight, with_bias, 1e-5
+        )
     check_rms_norm(device, dtype, (3,), (n,), "contiguous", 52, True, None)
 
 
@@ -175,9 +209,11 @@ def test_params_over_many_rows(device, dtype, n):
     when a bias is given."""
     rows = 2 if device == "cpu" else (1 << 23) // n
     for seed, (with_weight, with_bias) in enumerate(
-            [(True, True), (True, False), (False, True), (False, False)]):
-        check_layer_norm(device, dtype, (rows,), (n,), "contiguous", 30 + seed, with_weight,
-                         with_bias, 1e-5)
+        [(True, True), (True, False), (False, True), (False, False)]
+    ):
+        check_layer_norm(
+            device, dtype, (rows,), (n,), "contiguous", 30 + seed, with_weight, with_bias, 1e-5
+        )
         check_rms_norm(device, dtype, (rows,), (n,), "contiguous", 40 + seed, with_weight, None)
 
 

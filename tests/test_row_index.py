@@ -47,14 +47,19 @@ def _binary() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix="mti_row_index_"))
     src, exe = tmp / "row_index.cpp", tmp / "row_index"
     src.write_text(_PROGRAM)
-    subprocess.run([CXX, "-std=c++17", "-O2", "-I", str(ROOT / "csrc"), str(src), "-o", str(exe)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [CXX, "-std=c++17", "-O2", "-I", str(ROOT / "csrc"), str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return exe
 
 
 def _run(lines: list[str]) -> list[int]:
-    out = subprocess.run([str(_binary())], input="\n".join(lines) + "\n", capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [str(_binary())], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True
+    ).stdout
     return [int(v) for v in out.split()]
 
 
@@ -71,13 +76,13 @@ def _indexers(draw):
     """Sizes (with some past 2^31), strides (0 for broadcast dims) and rows: the first and last
     rows, the neighbours of 2^31 and 2^32 where they exist, and random ones."""
     ndim = draw(st.integers(1, MAX_DIMS))
-    size = st.one_of(st.integers(2, 9), st.integers(2, 5000),
-                     st.sampled_from([2**31 - 1, 2**31, 2**33 + 1]))
+    size = st.one_of(
+        st.integers(2, 9), st.integers(2, 5000), st.sampled_from([2**31 - 1, 2**31, 2**33 + 1])
+    )
     sizes = [draw(size) for _ in range(ndim)]
     strides = [draw(st.sampled_from([0, 1, 3, 1024, 2**20 + 7])) for _ in range(ndim)]
     # Rows and offsets of a real tensor fit in int64.
-    while (math.prod(sizes) >= 2**62
-           or sum((s - 1) * t for s, t in zip(sizes, strides)) >= 2**62):
+    while math.prod(sizes) >= 2**62 or sum((s - 1) * t for s, t in zip(sizes, strides)) >= 2**62:
         sizes[sizes.index(max(sizes))] //= 2
     total = math.prod(sizes)
     rows = {0, total - 1, draw(st.integers(0, total - 1))}
@@ -94,4 +99,3 @@ def test_row_offsets(indexers):
             lines.append(" ".join(map(str, [len(sizes), *sizes, *strides, r])))
             expected.append(_reference_offset(sizes, strides, r))
     assert _run(lines) == expected
-

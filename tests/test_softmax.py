@@ -3,13 +3,9 @@ additive masks with broadcasting, causal (also non-square), fully masked rows, w
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import make_torch_inplace as mti
 from helpers import (
-    DEVICES,
     CPU_LONG_ROW_WIDTHS,
+    DEVICES,
     DTYPE_PARAMS,
     LAYOUTS,
     LONG_ROW_WIDTHS,
@@ -25,14 +21,28 @@ from helpers import (
     widths,
     with_layout,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import make_torch_inplace as mti
 
 OPS = {False: (mti.softmax_, ref_softmax), True: (mti.log_softmax_, ref_log_softmax)}
 LOG_PARAMS = [pytest.param(False, id="softmax"), pytest.param(True, id="log_softmax")]
 scales = st.sampled_from([None, 0.125, 0.5, 2.0])
 
 
-def check_softmax(device, dtype, log, shape, seed, layout="contiguous", dim=-1, scale=None,
-                  mask=None, causal=False):
+def check_softmax(
+    device,
+    dtype,
+    log,
+    shape,
+    seed,
+    layout="contiguous",
+    dim=-1,
+    scale=None,
+    mask=None,
+    causal=False,
+):
     op, ref = OPS[log]
     x = with_layout(randn(shape, dtype, device, seed), layout)
     check_op(op, ref, x, dim, scale=scale, mask=mask, causal=causal)
@@ -42,8 +52,14 @@ def check_softmax(device, dtype, log, shape, seed, layout="contiguous", dim=-1, 
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=examples(25))
-@given(lead=lead_shapes(), n=widths(), layout=st.sampled_from(LAYOUTS), scale=scales,
-       data=st.data(), seed=seeds)
+@given(
+    lead=lead_shapes(),
+    n=widths(),
+    layout=st.sampled_from(LAYOUTS),
+    scale=scales,
+    data=st.data(),
+    seed=seeds,
+)
 def test_any_dim(device, dtype, log, lead, n, layout, scale, data, seed):
     shape = lead + (n,)
     dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
@@ -88,7 +104,7 @@ def masked_cases(draw):
     mask_shape = None
     if kind is not None:
         kept = [s if draw(st.booleans()) else 1 for s in shape]
-        mask_shape = tuple(kept[draw(st.integers(0, len(shape))):])
+        mask_shape = tuple(kept[draw(st.integers(0, len(shape))) :])
     dim = -1 if causal else draw(st.integers(-len(shape), len(shape) - 1))
     return shape, mask_shape, kind, causal, dim
 
@@ -121,8 +137,9 @@ ATTENTION_MASKS = {
 def test_attention_masks(device, dtype, mask_shape, kind, log):
     mask = random_mask(kind, mask_shape, device, dtype, seed=3)
     for causal in (False, True):
-        check_softmax(device, dtype, log, (2, 3, 5, 5), seed=4, scale=0.125, mask=mask,
-                      causal=causal)
+        check_softmax(
+            device, dtype, log, (2, 3, 5, 5), seed=4, scale=0.125, mask=mask, causal=causal
+        )
 
 
 @pytest.mark.parametrize("log", LOG_PARAMS)
@@ -146,8 +163,8 @@ def test_causal_is_top_left_aligned(device, dtype, q_len, k_len, log):
 def test_fully_masked_rows_become_zeros(device, dtype, log):
     op, _ = OPS[log]
     keep = torch.ones(4, 6, dtype=torch.bool, device=device)
-    keep[1] = False                       # row 1: nothing takes part
-    keep[2, ::2] = False                  # row 2: half of it
+    keep[1] = False  # row 1: nothing takes part
+    keep[2, ::2] = False  # row 2: half of it
     additive = torch.zeros(4, 6, dtype=dtype, device=device).masked_fill(~keep, float("-inf"))
     for mask in (keep, additive):
         x = randn((4, 6), dtype, device, seed=6)

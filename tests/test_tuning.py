@@ -8,11 +8,7 @@ import torch
 from make_torch_inplace import tune
 
 PARAMS = tune.parameters()
-CASES = [
-    pytest.param(p, value, id=f"{p.name}={value}")
-    for p in PARAMS
-    for value in p.candidates
-]
+CASES = [pytest.param(p, value, id=f"{p.name}={value}") for p in PARAMS for value in p.candidates]
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -58,9 +58,7 @@ def _tensor(arg) -> torch.Tensor | None:
 def _storages(node: fx.Node) -> set[Hashable]:
     value = node.meta.get("example_value")
     return {
-        _compat.storage_key(t)
-        for t in _compat.tree_leaves(value)
-        if isinstance(t, torch.Tensor)
+        _compat.storage_key(t) for t in _compat.tree_leaves(value) if isinstance(t, torch.Tensor)
     }
 
 
@@ -104,9 +102,7 @@ def _hint(size) -> int:
 def _same_layout(t: torch.Tensor, u: torch.Tensor) -> bool:
     if t.dim() != u.dim() or not all(_same(a, b) for a, b in zip(t.shape, u.shape)):
         return False
-    return all(
-        _same(s, 1) or _same(a, b) for s, a, b in zip(t.shape, t.stride(), u.stride())
-    )
+    return all(_same(s, 1) or _same(a, b) for s, a, b in zip(t.shape, t.stride(), u.stride()))
 
 
 def _contiguous_dims(sizes, strides) -> bool:
@@ -147,7 +143,4 @@ def _mask_ok(mask: torch.Tensor | None, t: torch.Tensor) -> bool:
     """An additive mask that softmax_ can read: t's dtype and device, broadcastable to t."""
     if not _like(mask, t) or mask.dim() > t.dim():
         return False
-    return all(
-        _same(m, 1) or _same(m, s) for m, s in zip(reversed(mask.shape), reversed(t.shape))
-    )
-
+    return all(_same(m, 1) or _same(m, s) for m, s in zip(reversed(mask.shape), reversed(t.shape)))

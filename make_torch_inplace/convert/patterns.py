@@ -97,7 +97,10 @@ _DEFAULTS: dict[str, dict[str, object]] = {
     "pow": {},
     "where": {},
     "sdpa": {
-        "attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+        "attn_mask": None,
+        "dropout_p": 0.0,
+        "is_causal": False,
+        "scale": None,
         "enable_gqa": False,
     },
     **{name: {} for name in _UNARY_NAMES if name != "relu"},
@@ -114,9 +117,7 @@ _ELEMENTWISE: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
     "silu": (_compat.inplace_activation("silu_"), (), ()),
     "gelu": (_compat.inplace_activation("gelu_"), (), ("approximate",)),
     **{
-        name: (getattr(torch.Tensor, name + "_"), (), ())
-        for name in _UNARY_NAMES
-        if name != "relu"
+        name: (getattr(torch.Tensor, name + "_"), (), ()) for name in _UNARY_NAMES if name != "relu"
     },
 }
 

@@ -273,8 +273,14 @@ class _Rewriter:
         t, w = _tensor(x), _tensor(weight)
         if family == "matmul" and t is not None and w is not None and w.dim() >= 3:
             if not self._attention(node, x, weight) and self._over_left_ok(node, x, weight):
-                self._replace(node, matmul_over_left, (x, weight), {}, x,
-                              value=t.as_strided(_tensor(node).shape, _tensor(node).stride()))
+                self._replace(
+                    node,
+                    matmul_over_left,
+                    (x, weight),
+                    {},
+                    x,
+                    value=t.as_strided(_tensor(node).shape, _tensor(node).stride()),
+                )
                 self._site(matmul_over_left, ["matmul"], node, node)
             return
         if t is None or w is None or w.dim() != 2 or not _same(w.shape[0], w.shape[1]):
@@ -291,8 +297,9 @@ class _Rewriter:
             and self.live.dead_after(x, pos)
             and self.live.disjoint(x, params)
         ):
-            self._replace(node, square_matmul_over_dead, (x, weight, bias, family == "linear"),
-                          {}, x)
+            self._replace(
+                node, square_matmul_over_dead, (x, weight, bias, family == "linear"), {}, x
+            )
             self._site(fn, [family], node, node)
 
     def _over_left_ok(self, node, a, b) -> bool:
@@ -307,7 +314,7 @@ class _Rewriter:
             isinstance(s, int) for v in (t, u, out) for s in (*v.shape, *v.stride())
         ):
             return False  # static shapes only: the pieces of the product are sized when it runs
-        *batch, m, k = t.shape
+        *batch, _, k = t.shape
         if not (
             t.dim() == u.dim()
             and list(u.shape) == [*batch, k, u.shape[-1]]

@@ -142,13 +142,10 @@ def _arg_signature(a):
 
 def _check_no_autograd(module: nn.Module, args, kwargs) -> None:
     tensors = [t for t in _compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if any(t.requires_grad for t in tensors) or any(
-        p.requires_grad for p in module.parameters()
-    ):
+    if any(t.requires_grad for t in tensors) or any(p.requires_grad for p in module.parameters()):
         raise RuntimeError(
             "convert: the converted model runs ops in place, which is only done for "
             "inference, but autograd would record this call (grad mode is on and a parameter "
             "or input requires grad). Call it under torch.no_grad() or torch.inference_mode(), "
             "freeze the parameters (requires_grad_(False)), or train with the original model."
         )
-

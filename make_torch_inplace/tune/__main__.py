@@ -17,7 +17,7 @@ def _time(fn, candidates: list[int], name: str, rounds: int) -> dict[int, float]
     times: dict[int, list[float]] = {c: [] for c in candidates}
     for r in range(rounds):
         # Each round starts one candidate later, so drifting clocks weigh on all alike.
-        order = candidates[r % len(candidates):] + candidates[: r % len(candidates)]
+        order = candidates[r % len(candidates) :] + candidates[: r % len(candidates)]
         for c in order:
             with override(name, c):
                 times[c].append(do_bench(fn, warmup=10, rep=40, return_mode="median"))
@@ -34,7 +34,8 @@ def _rows(p: Parameter, best: list[tuple[int, int, int, str]], gpu: str, cc: int
             rows.append(
                 f"    {{When{{.cc_min = {cc}, .cc_max = {cc}, .elem_bytes = {elem}, "
                 f".n_min = {n_min}, .n_max = {n_max}}}, {value}, "
-                f'"fastest on {gpu} for n {n_min}-{n_max}"}},')
+                f'"fastest on {gpu} for n {n_min}-{n_max}"}},'
+            )
             start = i
     return rows
 

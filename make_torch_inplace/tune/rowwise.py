@@ -94,8 +94,10 @@ def _ours(call: Call, x, extra):
 
 def _grads(fn, x, extra, grad_out):
     """The gradients of fn(x, extra) for grad_out w.r.t. x and the norms' weight and bias."""
-    leaves = [t.detach().requires_grad_() if t is not None and t.is_floating_point() else t
-              for t in (x, *extra)]
+    leaves = [
+        t.detach().requires_grad_() if t is not None and t.is_floating_point() else t
+        for t in (x, *extra)
+    ]
     out = fn(leaves[0] * 1, tuple(leaves[1:]))  # * 1: an in-place op may not take a leaf
     wrt = [t for t in leaves if t is not None and t.requires_grad]
     return torch.autograd.grad(out, wrt, grad_out)
@@ -162,9 +164,11 @@ def _timed(call: Call):
 
 
 def _case(call: Call) -> RowCase:
-    label = (f"{call.op}{' masked' if call.masked else ''} "
-             f"{str(call.dtype).removeprefix('torch.')} n={call.n}"
-             f"{' backward' if call.backward else ''}")
+    label = (
+        f"{call.op}{' masked' if call.masked else ''} "
+        f"{str(call.dtype).removeprefix('torch.')} n={call.n}"
+        f"{' backward' if call.backward else ''}"
+    )
     return RowCase(label, call.dtype.itemsize, call.n, functools.partial(_timed, call), call)
 
 
@@ -178,80 +182,192 @@ def _param(name, candidates, cases, doc):
 
 
 PARAMETERS = [
-    _param("max_cluster", (1, 2, 4, 8, 16),
-           lambda device: _cases(("softmax", BF16, 65536), ("softmax", BF16, 262144),
-                                 ("softmax", F32, 262144), ("rms_norm", BF16, 131072))(device)
-           + _cases(("layer_norm", BF16, 65536), ("softmax", F32, 131072),
-                    backward=True)(device),
-           "the most CTAs of a cluster that holds a row, forward and backward"),
+    _param(
+        "max_cluster",
+        (1, 2, 4, 8, 16),
+        lambda device: (
+            _cases(
+                ("softmax", BF16, 65536),
+                ("softmax", BF16, 262144),
+                ("softmax", F32, 262144),
+                ("rms_norm", BF16, 131072),
+            )(device)
+            + _cases(("layer_norm", BF16, 65536), ("softmax", F32, 131072), backward=True)(device)
+        ),
+        "the most CTAs of a cluster that holds a row, forward and backward",
+    ),
     # Forward.
-    _param("forward.stash_max_cluster", (0, 1, 2, 4, 8, 16),
-           _cases(("softmax", F32, 65536), ("softmax", F32, 131072), ("log_softmax", F32, 262144),
-                  ("softmax", BF16, 65536), ("softmax", BF16, 262144), ("rms_norm", BF16, 32768)),
-           "the largest cluster a stashed row takes"),
-    _param("forward.params_cta_row_threads", (160, 192, 224, 256),
-           _cases(("layer_norm", BF16, 12288), ("layer_norm", BF16, 14336),
-                  ("layer_norm", F16, 16384)),
-           "the longest rows of an op with params on the CTA-per-row register path"),
-    _param("forward.rows_per_cta", (0, 1, 2, 4),
-           _cases(("softmax", F32, 256), ("softmax", F32, 1024), ("softmax", BF16, 16384),
-                  ("layer_norm", BF16, 1024), ("rms_norm", F32, 16384)),
-           "row groups per CTA of single-CTA launches (0: resident CTAs striding)"),
-    _param("forward.rows_per_pair", (0, 1, 2, 4),
-           _cases(("softmax", F32, 65536), ("softmax", BF16, 65536), ("log_softmax", F16, 65536)),
-           "rows per cluster of two CTAs that cache nothing (0: resident clusters striding)"),
-    _param("forward.cta_cached_params", (0, 1, 2),
-           _cases(("layer_norm", F32, 16384), ("layer_norm", BF16, 16384),
-                  ("rms_norm", BF16, 16384)),
-           "the most params a row held by one CTA caches in shared memory"),
+    _param(
+        "forward.stash_max_cluster",
+        (0, 1, 2, 4, 8, 16),
+        _cases(
+            ("softmax", F32, 65536),
+            ("softmax", F32, 131072),
+            ("log_softmax", F32, 262144),
+            ("softmax", BF16, 65536),
+            ("softmax", BF16, 262144),
+            ("rms_norm", BF16, 32768),
+        ),
+        "the largest cluster a stashed row takes",
+    ),
+    _param(
+        "forward.params_cta_row_threads",
+        (160, 192, 224, 256),
+        _cases(
+            ("layer_norm", BF16, 12288), ("layer_norm", BF16, 14336), ("layer_norm", F16, 16384)
+        ),
+        "the longest rows of an op with params on the CTA-per-row register path",
+    ),
+    _param(
+        "forward.rows_per_cta",
+        (0, 1, 2, 4),
+        _cases(
+            ("softmax", F32, 256),
+            ("softmax", F32, 1024),
+            ("softmax", BF16, 16384),
+            ("layer_norm", BF16, 1024),
+            ("rms_norm", F32, 16384),
+        ),
+        "row groups per CTA of single-CTA launches (0: resident CTAs striding)",
+    ),
+    _param(
+        "forward.rows_per_pair",
+        (0, 1, 2, 4),
+        _cases(("softmax", F32, 65536), ("softmax", BF16, 65536), ("log_softmax", F16, 65536)),
+        "rows per cluster of two CTAs that cache nothing (0: resident clusters striding)",
+    ),
+    _param(
+        "forward.cta_cached_params",
+        (0, 1, 2),
+        _cases(("layer_norm", F32, 16384), ("layer_norm", BF16, 16384), ("rms_norm", BF16, 16384)),
+        "the most params a row held by one CTA caches in shared memory",
+    ),
     # Backward.
-    _param("backward.threads_per_sm", (1024, 2048, 4096),
-           _cases(("layer_norm", BF16, 131080), ("softmax", F32, 8191), backward=True),
-           "threads per SM that a streamed grid is sized for"),
-    _param("backward.softmax_cluster_registers", (0, 1, 2),
-           _cases(("softmax", F32, 32768), ("softmax", F32, 131072), ("softmax", BF16, 65536),
-                  ("softmax", BF16, 262144), backward=True),
-           "softmax's rows past a CTA's registers: 0 staged, 1 registers on large CTAs, 2 all"),
-    _param("backward.log_softmax_cluster_registers", (0, 1, 2),
-           _cases(("log_softmax", F32, 32768), ("log_softmax", F32, 131072),
-                  ("log_softmax", BF16, 65536), ("log_softmax", BF16, 131072),
-                  ("log_softmax", F16, 262144), backward=True),
-           "log_softmax's, without a mask tensor"),
-    _param("backward.masked_log_softmax_cluster_registers", (0, 1, 2),
-           _cases(("log_softmax", F32, 32768, True), ("log_softmax", BF16, 65536, True),
-                  ("log_softmax", BF16, 131072, True), backward=True),
-           "log_softmax's, with a mask tensor"),
-    _param("backward.softmax_row_per_cta", (0, 1),
-           _cases(("softmax", BF16, 2048), ("softmax", BF16, 8192), ("log_softmax", F16, 4096),
-                  ("softmax", F32, 4096), backward=True),
-           "whether softmax's register rows of more than a warp take a CTA each"),
-    _param("backward.large_cluster_min", (2, 4, 9, 17),
-           _cases(("softmax", F32, 32768), ("softmax", F32, 131072), ("softmax", BF16, 65536),
-                  ("softmax", BF16, 131072), ("log_softmax", BF16, 131072), backward=True),
-           "the fewest CTAs of a register cluster for it to take large CTAs"),
-    _param("backward.grouped_rows_past_cluster", (1, 4, 8, 16),
-           _cases(("layer_norm", BF16, 32768), ("layer_norm", BF16, 65536),
-                  ("rms_norm", F16, 65536), backward=True),
-           "shared-path clusters past this take 16-bit norm rows two at a time"),
-    _param("backward.shared_waves", (1, 2, 4, 8),
-           _cases(("log_softmax", BF16, 65536), ("log_softmax", F16, 65536, True),
-                  ("log_softmax", BF16, 40960, True), backward=True),
-           "grid waves of shared-path clusters that neither sum nor cache"),
-    _param("backward.shared_waves_max_cluster", (0, 4, 8, 16),
-           _cases(("log_softmax", BF16, 65536, True), ("log_softmax", BF16, 131072, True),
-                  backward=True),
-           "the largest such clusters that take shared_waves"),
-    _param("backward.wide_waves", (0, 1, 2, 4),
-           _cases(("log_softmax", BF16, 32768), ("log_softmax", BF16, 16384, True),
-                  backward=True),
-           "grid waves of softmax's wide rows that do not take a CTA each"),
-    _param("backward.column_sums_ctas_per_sm", (2, 4, 8, 16),
-           _cases(("layer_norm", F32, 131080), ("layer_norm", BF16, 131080),
-                  ("rms_norm", F32, 70001), backward=True),
-           "CTAs per SM of the column pass of the parameter gradient sums"),
-    _param("backward.sum_max_slices", (4, 8, 16, 32, 64, 256),
-           _cases(("layer_norm", BF16, 256), ("layer_norm", BF16, 1024),
-                  ("layer_norm", BF16, 4096), ("layer_norm", F32, 16384), ("rms_norm", F32, 256),
-                  backward=True),
-           "the most slices of a CTA that share the partial rows of the parameter gradients"),
+    _param(
+        "backward.threads_per_sm",
+        (1024, 2048, 4096),
+        _cases(("layer_norm", BF16, 131080), ("softmax", F32, 8191), backward=True),
+        "threads per SM that a streamed grid is sized for",
+    ),
+    _param(
+        "backward.softmax_cluster_registers",
+        (0, 1, 2),
+        _cases(
+            ("softmax", F32, 32768),
+            ("softmax", F32, 131072),
+            ("softmax", BF16, 65536),
+            ("softmax", BF16, 262144),
+            backward=True,
+        ),
+        "softmax's rows past a CTA's registers: 0 staged, 1 registers on large CTAs, 2 all",
+    ),
+    _param(
+        "backward.log_softmax_cluster_registers",
+        (0, 1, 2),
+        _cases(
+            ("log_softmax", F32, 32768),
+            ("log_softmax", F32, 131072),
+            ("log_softmax", BF16, 65536),
+            ("log_softmax", BF16, 131072),
+            ("log_softmax", F16, 262144),
+            backward=True,
+        ),
+        "log_softmax's, without a mask tensor",
+    ),
+    _param(
+        "backward.masked_log_softmax_cluster_registers",
+        (0, 1, 2),
+        _cases(
+            ("log_softmax", F32, 32768, True),
+            ("log_softmax", BF16, 65536, True),
+            ("log_softmax", BF16, 131072, True),
+            backward=True,
+        ),
+        "log_softmax's, with a mask tensor",
+    ),
+    _param(
+        "backward.softmax_row_per_cta",
+        (0, 1),
+        _cases(
+            ("softmax", BF16, 2048),
+            ("softmax", BF16, 8192),
+            ("log_softmax", F16, 4096),
+            ("softmax", F32, 4096),
+            backward=True,
+        ),
+        "whether softmax's register rows of more than a warp take a CTA each",
+    ),
+    _param(
+        "backward.large_cluster_min",
+        (2, 4, 9, 17),
+        _cases(
+            ("softmax", F32, 32768),
+            ("softmax", F32, 131072),
+            ("softmax", BF16, 65536),
+            ("softmax", BF16, 131072),
+            ("log_softmax", BF16, 131072),
+            backward=True,
+        ),
+        "the fewest CTAs of a register cluster for it to take large CTAs",
+    ),
+    _param(
+        "backward.grouped_rows_past_cluster",
+        (1, 4, 8, 16),
+        _cases(
+            ("layer_norm", BF16, 32768),
+            ("layer_norm", BF16, 65536),
+            ("rms_norm", F16, 65536),
+            backward=True,
+        ),
+        "shared-path clusters past this take 16-bit norm rows two at a time",
+    ),
+    _param(
+        "backward.shared_waves",
+        (1, 2, 4, 8),
+        _cases(
+            ("log_softmax", BF16, 65536),
+            ("log_softmax", F16, 65536, True),
+            ("log_softmax", BF16, 40960, True),
+            backward=True,
+        ),
+        "grid waves of shared-path clusters that neither sum nor cache",
+    ),
+    _param(
+        "backward.shared_waves_max_cluster",
+        (0, 4, 8, 16),
+        _cases(
+            ("log_softmax", BF16, 65536, True), ("log_softmax", BF16, 131072, True), backward=True
+        ),
+        "the largest such clusters that take shared_waves",
+    ),
+    _param(
+        "backward.wide_waves",
+        (0, 1, 2, 4),
+        _cases(("log_softmax", BF16, 32768), ("log_softmax", BF16, 16384, True), backward=True),
+        "grid waves of softmax's wide rows that do not take a CTA each",
+    ),
+    _param(
+        "backward.column_sums_ctas_per_sm",
+        (2, 4, 8, 16),
+        _cases(
+            ("layer_norm", F32, 131080),
+            ("layer_norm", BF16, 131080),
+            ("rms_norm", F32, 70001),
+            backward=True,
+        ),
+        "CTAs per SM of the column pass of the parameter gradient sums",
+    ),
+    _param(
+        "backward.sum_max_slices",
+        (4, 8, 16, 32, 64, 256),
+        _cases(
+            ("layer_norm", BF16, 256),
+            ("layer_norm", BF16, 1024),
+            ("layer_norm", BF16, 4096),
+            ("layer_norm", F32, 16384),
+            ("rms_norm", F32, 256),
+            backward=True,
+        ),
+        "the most slices of a CTA that share the partial rows of the parameter gradients",
+    ),
 ]
