@@ -6,19 +6,22 @@
 TORCH_LIBRARY(make_torch_inplace, m) {
   // x[..., K] <- x @ W (or x @ W.T) + bias. W is (K, K). At most workspace_bytes of scratch;
   // 0 selects the kernel that needs none.
-  m.def("square_matmul_(Tensor(a!) x, Tensor weight, Tensor? bias, bool transpose, "
-        "int workspace_bytes) -> ()");
+  m.def(
+      "square_matmul_(Tensor(a!) x, Tensor weight, Tensor? bias, bool transpose, "
+      "int workspace_bytes) -> ()");
   // x <- softmax(x * scale + mask) over dim (log_softmax when log). A bool mask is True where
   // an element takes part; a float mask is added. causal masks (i, j) with j > i over the last
   // two dims. A row with nothing unmasked becomes all zeros.
   m.def("softmax_(Tensor(a!) x, int dim, float scale, Tensor? mask, bool causal, bool log) -> ()");
   // x <- F.layer_norm(x, ...). rstd: empty, or `rows` float32 elements that receive
   // 1/sqrt(var + eps) of each row for the backward pass.
-  m.def("layer_norm_(Tensor(a!) x, int[] normalized_shape, Tensor? weight, Tensor? bias, "
-        "float eps, Tensor(b!) rstd) -> ()");
+  m.def(
+      "layer_norm_(Tensor(a!) x, int[] normalized_shape, Tensor? weight, Tensor? bias, "
+      "float eps, Tensor(b!) rstd) -> ()");
   // x <- F.rms_norm(x, ...). rstd as for layer_norm_.
-  m.def("rms_norm_(Tensor(a!) x, int[] normalized_shape, Tensor? weight, float eps, "
-        "Tensor(b!) rstd) -> ()");
+  m.def(
+      "rms_norm_(Tensor(a!) x, int[] normalized_shape, Tensor? weight, float eps, "
+      "Tensor(b!) rstd) -> ()");
 
   // Backward passes, computed from the forward's output y (its input is gone). They read y and
   // grad and write only the out arguments, never grad (autograd may share it between
@@ -28,15 +31,17 @@ TORCH_LIBRARY(make_torch_inplace, m) {
   // (softmax) or grad - exp(y) * sum(grad) / sum(exp(y)) (log, sums over the whole row);
   // elements masked by `mask` or `causal` (as in softmax_) get 0. grad_x: y's shape and dtype,
   // not overlapping y or grad.
-  m.def("softmax_backward(Tensor y, Tensor grad, int dim, float scale, Tensor? mask, "
-        "bool causal, bool log, Tensor(a!) grad_x) -> ()");
+  m.def(
+      "softmax_backward(Tensor y, Tensor grad, int dim, float scale, Tensor? mask, "
+      "bool causal, bool log, Tensor(a!) grad_x) -> ()");
   // layer_norm_'s (rms false) / rms_norm_'s (rms true, bias None) backward from y, the rstd
   // the forward saved and its weight/bias: x_hat = (y - bias) / weight (0 where weight == 0),
   // g_hat = grad * weight, grad_x <- rstd * (g_hat - mean(g_hat) - x_hat * mean(g_hat * x_hat))
   // (RMS: no mean(g_hat) term), grad_weight <- sum over rows of grad * x_hat, grad_bias <- sum
   // over rows of grad. An empty out argument is not computed; grad_weight / grad_bias have
   // weight's / bias's shape and dtype.
-  m.def("norm_backward(Tensor y, Tensor grad, int[] normalized_shape, Tensor? weight, "
-        "Tensor? bias, Tensor rstd, bool rms, Tensor(a!) grad_x, Tensor(b!) grad_weight, "
-        "Tensor(c!) grad_bias) -> ()");
+  m.def(
+      "norm_backward(Tensor y, Tensor grad, int[] normalized_shape, Tensor? weight, "
+      "Tensor? bias, Tensor rstd, bool rms, Tensor(a!) grad_x, Tensor(b!) grad_weight, "
+      "Tensor(c!) grad_bias) -> ()");
 }

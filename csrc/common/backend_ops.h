@@ -7,31 +7,31 @@
 
 #include <optional>
 
-#define MTI_DECLARE_BACKEND_OPS                                                               \
-  void square_matmul_(const at::Tensor& x, const at::Tensor& weight,                          \
-                      const std::optional<at::Tensor>& bias, bool transpose,                  \
-                      int64_t workspace_bytes);                                               \
-  void softmax_(const at::Tensor& x, int64_t dim, double scale,                               \
-                const std::optional<at::Tensor>& mask, bool causal, bool log);                \
-  void layer_norm_(const at::Tensor& x, at::IntArrayRef normalized_shape,                     \
-                   const std::optional<at::Tensor>& weight,                                   \
-                   const std::optional<at::Tensor>& bias, double eps, const at::Tensor& rstd); \
-  void rms_norm_(const at::Tensor& x, at::IntArrayRef normalized_shape,                       \
-                 const std::optional<at::Tensor>& weight, double eps, const at::Tensor& rstd); \
-  void softmax_backward(const at::Tensor& y, const at::Tensor& grad, int64_t dim, double scale, \
-                        const std::optional<at::Tensor>& mask, bool causal, bool log,         \
-                        const at::Tensor& grad_x);                                            \
-  void norm_backward(const at::Tensor& y, const at::Tensor& grad,                             \
-                     at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight, \
-                     const std::optional<at::Tensor>& bias, const at::Tensor& rstd, bool rms,   \
-                     const at::Tensor& grad_x, const at::Tensor& grad_weight,                 \
+#define MTI_DECLARE_BACKEND_OPS                                                                    \
+  void square_matmul_(const at::Tensor& x, const at::Tensor& weight,                               \
+                      const std::optional<at::Tensor>& bias, bool transpose,                       \
+                      int64_t workspace_bytes);                                                    \
+  void softmax_(const at::Tensor& x, int64_t dim, double scale,                                    \
+                const std::optional<at::Tensor>& mask, bool causal, bool log);                     \
+  void layer_norm_(const at::Tensor& x, at::IntArrayRef normalized_shape,                          \
+                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, \
+                   double eps, const at::Tensor& rstd);                                            \
+  void rms_norm_(const at::Tensor& x, at::IntArrayRef normalized_shape,                            \
+                 const std::optional<at::Tensor>& weight, double eps, const at::Tensor& rstd);     \
+  void softmax_backward(const at::Tensor& y, const at::Tensor& grad, int64_t dim, double scale,    \
+                        const std::optional<at::Tensor>& mask, bool causal, bool log,              \
+                        const at::Tensor& grad_x);                                                 \
+  void norm_backward(const at::Tensor& y, const at::Tensor& grad,                                  \
+                     at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,    \
+                     const std::optional<at::Tensor>& bias, const at::Tensor& rstd, bool rms,      \
+                     const at::Tensor& grad_x, const at::Tensor& grad_weight,                      \
                      const at::Tensor& grad_bias);
 
 // Registers a backend's entry points for one dispatch key.
-#define MTI_REGISTER_BACKEND_OPS(m, ns)         \
-  m.impl("square_matmul_", &ns::square_matmul_); \
-  m.impl("softmax_", &ns::softmax_);             \
-  m.impl("layer_norm_", &ns::layer_norm_);       \
-  m.impl("rms_norm_", &ns::rms_norm_);           \
+#define MTI_REGISTER_BACKEND_OPS(m, ns)              \
+  m.impl("square_matmul_", &ns::square_matmul_);     \
+  m.impl("softmax_", &ns::softmax_);                 \
+  m.impl("layer_norm_", &ns::layer_norm_);           \
+  m.impl("rms_norm_", &ns::rms_norm_);               \
   m.impl("softmax_backward", &ns::softmax_backward); \
   m.impl("norm_backward", &ns::norm_backward);

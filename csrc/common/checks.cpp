@@ -32,8 +32,8 @@ std::pair<const char*, const char*> byte_span(const at::Tensor& t) {
 
 void check_float_dtype(const char* op, const char* name, const at::Tensor& t) {
   const auto dt = t.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kDouble,
-              op, ": ", name, " must be float32, float16, bfloat16 (or float64 on CPU), got ", dt);
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kDouble, op,
+              ": ", name, " must be float32, float16, bfloat16 (or float64 on CPU), got ", dt);
 }
 
 void check_like(const char* op, const char* name, const at::Tensor& t, const char* x_name,
@@ -55,8 +55,8 @@ void check_no_overlap(const char* op, const char* name, const at::Tensor& x,
   const auto a = byte_span(x);
   const auto b = byte_span(other);
   TORCH_CHECK(a.second <= b.first || b.second <= a.first, op, ": ", x_name, " overlaps ", name,
-              " in memory; the op would overwrite ", name,
-              " while reading it (pass a copy, e.g. ", name, ".clone())");
+              " in memory; the op would overwrite ", name, " while reading it (pass a copy, e.g. ",
+              name, ".clone())");
 }
 
 // Sufficient test: sorted by stride, each dim's stride must step over everything the smaller
@@ -70,8 +70,10 @@ void check_no_internal_overlap(const char* op, const at::Tensor& x, const char* 
   int64_t span = 0;  // max offset reached by the dims seen so far
   for (const auto& [stride, size] : dims) {
     TORCH_CHECK(stride > span, op, ": ", x_name, " has internally overlapping memory (stride ",
-                text(stride), " with size ", text(size), "; e.g. an expanded tensor), so it "
-                "cannot be written in place; pass ", x_name, ".contiguous()");
+                text(stride), " with size ", text(size),
+                "; e.g. an expanded tensor), so it "
+                "cannot be written in place; pass ",
+                x_name, ".contiguous()");
     span += stride * (size - 1);
   }
 }

@@ -49,8 +49,8 @@ const char* square_matmul_with_workspace(const at::Tensor& x, const MatmulPlan& 
   const int64_t k = plan.k;
   const int64_t rows = plan.x.rows;
   const ChunkSchedule sched = workspace_bytes > 0
-      ? pipeline.schedule(rows, k * x.element_size(), workspace_bytes)
-      : ChunkSchedule{};
+                                  ? pipeline.schedule(rows, k * x.element_size(), workspace_bytes)
+                                  : ChunkSchedule{};
   if (sched.rows < 1) return "workspace_bytes is smaller than one row";
   const at::Tensor wv = plan.transpose ? plan.weight.t() : plan.weight;
 
@@ -59,10 +59,11 @@ const char* square_matmul_with_workspace(const at::Tensor& x, const MatmulPlan& 
     // tensor, one copy back; no workspace tensor to carve up. A 2-D x with unit column
     // stride is that matrix already (the GEMM then takes it as it is, copying nothing), and
     // skipping the view saves a good part of the host time of a small call.
-    const at::Tensor xm = x.dim() == 2 && x.stride(1) == 1
-        ? x
-        : x.as_strided({rows, k}, {plan.x.row.ndim == 0 ? k : plan.x.row.strides[0], 1},
-                       x.storage_offset());
+    const at::Tensor xm =
+        x.dim() == 2 && x.stride(1) == 1
+            ? x
+            : x.as_strided({rows, k}, {plan.x.row.ndim == 0 ? k : plan.x.row.strides[0], 1},
+                           x.storage_offset());
     at::Tensor out;
     try {
       out = plan.bias ? at::addmm(*plan.bias, xm, wv) : at::mm(xm, wv);

@@ -112,22 +112,23 @@ at::Tensor plan_softmax_common(const char* op, const at::Tensor& x, const char* 
   check_float_dtype(op, x_name, x);
   const int64_t ndim = x.dim();
   dim = at::maybe_wrap_dim(dim, std::max<int64_t>(ndim, 1));
-  TORCH_CHECK_VALUE(!causal || (ndim >= 2 && dim == ndim - 1), op, ": causal=True needs ",
-                    x_name, " with at least 2 dims and dim=-1 (the mask covers the last two "
-                    "dims), got ", x_name, " of ", text(ndim), " dims and dim=", text(dim));
+  TORCH_CHECK_VALUE(!causal || (ndim >= 2 && dim == ndim - 1), op, ": causal=True needs ", x_name,
+                    " with at least 2 dims and dim=-1 (the mask covers the last two "
+                    "dims), got ",
+                    x_name, " of ", text(ndim), " dims and dim=", text(dim));
   params.scale = static_cast<float>(scale);
   params.log = log;
   params.causal = causal;
   params.q_len = causal ? x.size(-2) : 1;
   if (!mask) return at::Tensor();
   const at::Tensor& m = *mask;
-  TORCH_CHECK(m.device() == x.device(), op, ": mask must be on ", x_name, "'s device (",
-              x.device(), "), got ", m.device());
+  TORCH_CHECK(m.device() == x.device(), op, ": mask must be on ", x_name, "'s device (", x.device(),
+              "), got ", m.device());
   TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == x.scalar_type(), op,
               ": mask must be bool or ", x_name, "'s dtype (", x.scalar_type(), "), got ",
               m.scalar_type());
-  TORCH_CHECK(at::is_expandable_to(m.sizes(), x.sizes()), op, ": mask of shape ",
-              text(m.sizes()), " does not broadcast to ", x_name, "'s shape ", text(x.sizes()));
+  TORCH_CHECK(at::is_expandable_to(m.sizes(), x.sizes()), op, ": mask of shape ", text(m.sizes()),
+              " does not broadcast to ", x_name, "'s shape ", text(x.sizes()));
   const at::Tensor me = ndim == 0 ? m.reshape({1}) : m.expand(x.sizes()).movedim(dim, -1);
   mask_layout.kind = m.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
   mask_layout.col_stride = me.stride(-1);
@@ -154,8 +155,8 @@ bool trailing_stride(const at::Tensor& t, int64_t k, int64_t* col_stride) {
 void check_normalized_shape(const char* op, const char* x_name, const at::Tensor& x,
                             at::IntArrayRef normalized_shape) {
   const int64_t k = static_cast<int64_t>(normalized_shape.size());
-  TORCH_CHECK(k >= 1 && k <= x.dim() && x.sizes().slice(x.dim() - k).equals(normalized_shape),
-              op, ": normalized_shape ", text(normalized_shape),
+  TORCH_CHECK(k >= 1 && k <= x.dim() && x.sizes().slice(x.dim() - k).equals(normalized_shape), op,
+              ": normalized_shape ", text(normalized_shape),
               " must be non-empty and equal the trailing dims of ", x_name, ", got ", x_name,
               " of shape ", text(x.sizes()));
 }
@@ -166,8 +167,8 @@ void check_normalized_shape(const char* op, const char* x_name, const at::Tensor
 void check_backward_tensors(const char* op, const at::Tensor& y, const at::Tensor& grad,
                             const at::Tensor& grad_x, bool grad_x_optional) {
   check_like(op, "grad", grad, "y", y);
-  TORCH_CHECK(grad.sizes().equals(y.sizes()), op, ": grad must have y's shape ",
-              text(y.sizes()), ", got ", text(grad.sizes()));
+  TORCH_CHECK(grad.sizes().equals(y.sizes()), op, ": grad must have y's shape ", text(y.sizes()),
+              ", got ", text(grad.sizes()));
   if (grad_x_optional && !grad_x.defined()) return;
   TORCH_CHECK(grad_x.defined(), op, ": grad_x must be a tensor of y's shape");
   check_like(op, "grad_x", grad_x, "y", y);
@@ -262,7 +263,8 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
   NormPlan plan;
   TORCH_CHECK_VALUE(trailing_stride(x, k, &plan.x.col_stride), op,
                     ": the normalized dims of x must merge into one (as in a contiguous "
-                    "tensor), got strides ", text(x.strides()), "; pass x.contiguous()");
+                    "tensor), got strides ",
+                    text(x.strides()), "; pass x.contiguous()");
   plan.x.n = c10::multiply_integers(normalized_shape);
   plan.x.rows = plan.x.n == 0 ? 0 : x.numel() / plan.x.n;
   build_row_index(op, "x", x.dim() - k, x, plan.x.row);
@@ -282,8 +284,8 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
 NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const at::Tensor& grad,
                                     at::IntArrayRef normalized_shape,
                                     const std::optional<at::Tensor>& weight,
-                                    const std::optional<at::Tensor>& bias,
-                                    const at::Tensor& rstd, bool rms, const at::Tensor& grad_x,
+                                    const std::optional<at::Tensor>& bias, const at::Tensor& rstd,
+                                    bool rms, const at::Tensor& grad_x,
                                     const at::Tensor& grad_weight, const at::Tensor& grad_bias) {
   check_float_dtype(op, "y", y);
   check_normalized_shape(op, "y", y, normalized_shape);
@@ -294,8 +296,8 @@ NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const a
   // An out argument with no elements is not wanted (or has nothing to receive).
   const bool want_x = grad_x.numel() > 0;
   check_backward_tensors(op, y, grad, want_x ? grad_x : at::Tensor(), /*grad_x_optional=*/true);
-  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() &&
-                  rstd.numel() == rows && rstd.device() == y.device(),
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == rows &&
+                  rstd.device() == y.device(),
               op, ": rstd must be a contiguous float32 tensor of ", text(rows),
               " elements on y's device, got ", rstd.scalar_type(), " of ", text(rstd.numel()));
   // Every tensor the op writes, with the name its messages use; each is checked against all
@@ -337,10 +339,12 @@ NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const a
   int64_t y_col = 1, g_col = 1, dx_col = 1;
   TORCH_CHECK_VALUE(trailing_stride(y, k, &y_col), op,
                     ": the normalized dims of y must merge into one (as in a contiguous "
-                    "tensor), got strides ", text(y.strides()));
+                    "tensor), got strides ",
+                    text(y.strides()));
   TORCH_CHECK_VALUE(!want_x || trailing_stride(grad_x, k, &dx_col), op,
                     ": the normalized dims of grad_x must merge into one (as in a contiguous "
-                    "tensor), got strides ", text(grad_x.strides()));
+                    "tensor), got strides ",
+                    text(grad_x.strides()));
   // grad comes from autograd in any layout (an expanded one from .sum(), say): read a
   // contiguous copy where its normalized dims do not merge.
   plan.grad = trailing_stride(grad, k, &g_col) ? grad : grad.contiguous();

@@ -15,9 +15,9 @@
 namespace mti {
 
 struct MatmulPlan {
-  RowLayout x;     // rows of K elements, col_stride == 1
+  RowLayout x;  // rows of K elements, col_stride == 1
   int64_t k = 0;
-  at::Tensor weight;  // (K, K), contiguous
+  at::Tensor weight;       // (K, K), contiguous
   bool transpose = false;  // use weight.T: the caller's flag, flipped for a column-major weight
   std::optional<at::Tensor> bias;  // (K,), contiguous
 };
@@ -30,9 +30,9 @@ struct SoftmaxPlan {
 };
 
 struct NormPlan {
-  RowLayout x;           // rows over the normalized dims, merged into one
-  at::Tensor weight;     // undefined or contiguous with n elements
-  at::Tensor bias;       // undefined or contiguous with n elements
+  RowLayout x;             // rows over the normalized dims, merged into one
+  at::Tensor weight;       // undefined or contiguous with n elements
+  at::Tensor bias;         // undefined or contiguous with n elements
   bool save_rstd = false;  // rstd has `rows` float32 elements to fill
 };
 
@@ -48,10 +48,10 @@ struct SoftmaxBackwardPlan {
 };
 
 struct NormBackwardPlan {
-  BackwardRows rows;     // rows.grad_x is meaningful only when want_x
+  BackwardRows rows;  // rows.grad_x is meaningful only when want_x
   at::Tensor y, grad;
-  at::Tensor weight;     // undefined or contiguous with n elements
-  at::Tensor bias;       // undefined or contiguous with n elements
+  at::Tensor weight;  // undefined or contiguous with n elements
+  at::Tensor bias;    // undefined or contiguous with n elements
   bool rms = false;
   bool want_x = false;       // grad_x is written
   bool want_weight = false;  // grad_weight (contiguous, weight's dtype) is written
@@ -83,8 +83,8 @@ SoftmaxBackwardPlan plan_softmax_backward(const char* op, const at::Tensor& y,
 NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const at::Tensor& grad,
                                     at::IntArrayRef normalized_shape,
                                     const std::optional<at::Tensor>& weight,
-                                    const std::optional<at::Tensor>& bias,
-                                    const at::Tensor& rstd, bool rms, const at::Tensor& grad_x,
+                                    const std::optional<at::Tensor>& bias, const at::Tensor& rstd,
+                                    bool rms, const at::Tensor& grad_x,
                                     const at::Tensor& grad_weight, const at::Tensor& grad_bias);
 
 }  // namespace mti

@@ -114,8 +114,8 @@ void norm(const char* op, const at::Tensor& x, at::IntArrayRef normalized_shape,
 
 }  // namespace
 
-void softmax_(const at::Tensor& x, int64_t dim, double scale,
-              const std::optional<at::Tensor>& mask, bool causal, bool log) {
+void softmax_(const at::Tensor& x, int64_t dim, double scale, const std::optional<at::Tensor>& mask,
+              bool causal, bool log) {
   const char* op = log ? "log_softmax_" : "softmax_";
   const SoftmaxPlan plan = plan_softmax(op, x, dim, scale, mask, causal, log);
   if (plan.x.rows == 0) return;

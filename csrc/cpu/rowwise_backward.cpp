@@ -78,9 +78,8 @@ acc_t x_hat(acc_t y, const scalar_t* weight, const scalar_t* bias, int64_t j) {
 // grad_x = rstd * (g_hat - mean(g_hat) - x_hat * mean(g_hat * x_hat)), g_hat = dy * weight;
 // RMSNorm without the mean(g_hat) term.
 template <typename scalar_t>
-void norm_backward_rows(const scalar_t* y, const scalar_t* dy, scalar_t* dx,
-                        const BackwardRows& R, const scalar_t* weight, const scalar_t* bias,
-                        const float* rstd, bool rms) {
+void norm_backward_rows(const scalar_t* y, const scalar_t* dy, scalar_t* dx, const BackwardRows& R,
+                        const scalar_t* weight, const scalar_t* bias, const float* rstd, bool rms) {
   using acc_t = double;
   const int64_t n = R.y.n;
   at::parallel_for(0, R.y.rows, grain_rows(n), [&](int64_t begin, int64_t end) {
@@ -157,9 +156,8 @@ void softmax_backward(const at::Tensor& y, const at::Tensor& grad, int64_t dim, 
                                                   plan.params);
         break;
       case MaskKind::kBool:
-        softmax_backward_rows<scalar_t, bool>(yp, gp, dx, plan.rows,
-                                              plan.mask_tensor.const_data_ptr<bool>(), plan.mask,
-                                              plan.params);
+        softmax_backward_rows<scalar_t, bool>(
+            yp, gp, dx, plan.rows, plan.mask_tensor.const_data_ptr<bool>(), plan.mask, plan.params);
         break;
       case MaskKind::kAdditive:
         softmax_backward_rows<scalar_t, scalar_t>(yp, gp, dx, plan.rows,
@@ -176,9 +174,9 @@ void norm_backward(const at::Tensor& y, const at::Tensor& grad, at::IntArrayRef 
                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                    const at::Tensor& rstd, bool rms, const at::Tensor& grad_x,
                    const at::Tensor& grad_weight, const at::Tensor& grad_bias) {
-  const NormBackwardPlan plan = plan_norm_backward("norm_backward", y, grad, normalized_shape,
-                                                   weight, bias, rstd, rms, grad_x, grad_weight,
-                                                   grad_bias);
+  const NormBackwardPlan plan =
+      plan_norm_backward("norm_backward", y, grad, normalized_shape, weight, bias, rstd, rms,
+                         grad_x, grad_weight, grad_bias);
   MTI_CPU_DISPATCH(y.scalar_type(), "norm_backward", [&] {
     const scalar_t* yp = plan.y.const_data_ptr<scalar_t>();
     const scalar_t* gp = plan.grad.const_data_ptr<scalar_t>();

@@ -9,7 +9,9 @@
 namespace mti::cpu {
 
 // Rows per parallel task: enough elements that a task outweighs its scheduling.
-inline int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
+inline int64_t grain_rows(int64_t n) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+}
 
 template <typename scalar_t>
 const scalar_t* optional_data(const at::Tensor& t) {

@@ -40,8 +40,8 @@ typename DeviceType<scalar_t>::type* device_ptr(const at::Tensor& t) {
 }  // namespace mti::cuda
 
 // Runs the lambda body with scalar_t bound to float, at::Half or at::BFloat16.
-#define MTI_DISPATCH_FLOATING(TYPE, NAME, ...)                         \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                                       \
-                     AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) \
-                     AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__)  \
-                     AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
+#define MTI_DISPATCH_FLOATING(TYPE, NAME, ...)                               \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                             \
+                     AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__)    \
+                         AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__) \
+                             AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))

@@ -9,17 +9,16 @@
 namespace mti::cuda {
 
 // x: any shape; softmax over `dim`, rows = every other index.
-void softmax_(const at::Tensor& x, int64_t dim, double scale,
-              const std::optional<at::Tensor>& mask, bool causal, bool log) {
+void softmax_(const at::Tensor& x, int64_t dim, double scale, const std::optional<at::Tensor>& mask,
+              bool causal, bool log) {
   const SoftmaxPlan plan =
       plan_softmax(log ? "log_softmax_" : "softmax_", x, dim, scale, mask, causal, log);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const void* mask_data =
-      plan.mask.kind == MaskKind::kNone ? nullptr : plan.mask_tensor.data_ptr();
+  const void* mask_data = plan.mask.kind == MaskKind::kNone ? nullptr : plan.mask_tensor.data_ptr();
   MTI_DISPATCH_FLOATING(x.scalar_type(), "softmax_", [&] {
-    C10_CUDA_CHECK(launch_softmax(device_ptr<scalar_t>(x), plan.x, mask_data, plan.mask,
-                                  plan.params, stream));
+    C10_CUDA_CHECK(
+        launch_softmax(device_ptr<scalar_t>(x), plan.x, mask_data, plan.mask, plan.params, stream));
   });
 }
 
@@ -34,8 +33,8 @@ void layer_norm_(const at::Tensor& x, at::IntArrayRef normalized_shape,
   MTI_DISPATCH_FLOATING(x.scalar_type(), "layer_norm_", [&] {
     const auto* w = plan.weight.defined() ? device_ptr<scalar_t>(plan.weight) : nullptr;
     const auto* b = plan.bias.defined() ? device_ptr<scalar_t>(plan.bias) : nullptr;
-    C10_CUDA_CHECK(launch_layer_norm(device_ptr<scalar_t>(x), plan.x, w, b,
-                                     static_cast<float>(eps), rstd_out, stream));
+    C10_CUDA_CHECK(launch_layer_norm(device_ptr<scalar_t>(x), plan.x, w, b, static_cast<float>(eps),
+                                     rstd_out, stream));
   });
 }
 
@@ -48,8 +47,8 @@ void rms_norm_(const at::Tensor& x, at::IntArrayRef normalized_shape,
   float* rstd_out = plan.save_rstd ? rstd.data_ptr<float>() : nullptr;
   MTI_DISPATCH_FLOATING(x.scalar_type(), "rms_norm_", [&] {
     const auto* w = plan.weight.defined() ? device_ptr<scalar_t>(plan.weight) : nullptr;
-    C10_CUDA_CHECK(launch_rms_norm(device_ptr<scalar_t>(x), plan.x, w,
-                                   static_cast<float>(eps), rstd_out, stream));
+    C10_CUDA_CHECK(launch_rms_norm(device_ptr<scalar_t>(x), plan.x, w, static_cast<float>(eps),
+                                   rstd_out, stream));
   });
 }
 

@@ -68,8 +68,7 @@ class SideStreamCopies final : public ChunkPipeline {
   SideStreamCopies(c10::cuda::CUDAStream caller, int64_t chunk_bytes, int64_t min_rows)
       : caller_(caller), chunk_bytes_(chunk_bytes), min_rows_(min_rows) {}
 
-  ChunkSchedule schedule(int64_t rows, int64_t row_bytes,
-                         int64_t workspace_bytes) const override {
+  ChunkSchedule schedule(int64_t rows, int64_t row_bytes, int64_t workspace_bytes) const override {
     const int64_t target = std::max(min_rows_, chunk_bytes_ / row_bytes);
     const int64_t fit_one = workspace_bytes / row_bytes;
     if (rows <= std::min(target, fit_one)) return {rows, 1};  // one chunk, nothing to overlap
@@ -85,8 +84,8 @@ class SideStreamCopies final : public ChunkPipeline {
   }
 
   void copy_back(const at::Tensor& dst, const at::Tensor& chunk, int buffer) override {
-    if (!side_) side_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false,
-                                                     caller_.device_index());
+    if (!side_)
+      side_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, caller_.device_index());
     computed_.record(caller_);  // after the GEMM that wrote `chunk` and all work before it
     computed_.block(*side_);
     {
@@ -170,8 +169,7 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
     DeviceInfo device;
     C10_CUDA_CHECK(current_device(&device));
     const TuningKey key = tuning_key(device, sizeof(T), plan.k);
-    SideStreamCopies pipeline(current, tuned(sm::kChunkBytes, key),
-                              tuned(sm::kChunkMinRows, key));
+    SideStreamCopies pipeline(current, tuned(sm::kChunkBytes, key), tuned(sm::kChunkMinRows, key));
     sm::Offer offer;
     offer.workspace_bytes = allocatable_bytes(workspace_bytes);
     offer.chunks_accurate = !chunks_lose_accuracy(x, plan, offer.workspace_bytes, pipeline);

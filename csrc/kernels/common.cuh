@@ -25,9 +25,13 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162f
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
@@ -98,12 +102,12 @@ template <bool kKeepInL1 = false>
 __device__ __forceinline__ void copy16(void* dst, const void* src, bool in) {
 #if __CUDA_ARCH__ >= 800
   if constexpr (kKeepInL1)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)),
-                 "l"(src), "r"(in ? 16 : 0)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(in ? 16 : 0)
                  : "memory");
   else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)),
-                 "l"(src), "r"(in ? 16 : 0)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(in ? 16 : 0)
                  : "memory");
 #else
   *reinterpret_cast<uint4*>(dst) =
@@ -181,7 +185,7 @@ int once_per_device(std::atomic<int> (&cache)[kMaxDevices], F&& f) {
 
 // What the launchers ask of a device, which cannot change while the process runs.
 struct DeviceInfo {
-  int cc = 0;                   // compute capability, 10 * major + minor
+  int cc = 0;  // compute capability, 10 * major + minor
   int sm_count = 0;
   int threads_per_sm = 0;
   int smem_optin = 0;           // bytes of shared memory a CTA may opt into

@@ -20,9 +20,9 @@ constexpr int kMaxLeadDims = 8;
 // enumerated logically, so the causal mask can read the query index as row % q_len whatever
 // the memory layout.
 struct RowIndexer {
-  int ndim = 0;                       // 0: every row starts at offset 0 (a single row)
-  int64_t sizes[kMaxLeadDims] = {};   // outermost first
-  int64_t strides[kMaxLeadDims] = {}; // in elements; 0 for a broadcast (mask) dim
+  int ndim = 0;                        // 0: every row starts at offset 0 (a single row)
+  int64_t sizes[kMaxLeadDims] = {};    // outermost first
+  int64_t strides[kMaxLeadDims] = {};  // in elements; 0 for a broadcast (mask) dim
 
   // row must be in [0, product of sizes).
   MTI_HD int64_t offset(int64_t row) const {
@@ -79,10 +79,10 @@ struct MaskLayout {
 };
 
 struct SoftmaxParams {
-  float scale = 1.f;   // z = x * scale (+ additive mask) before the softmax
-  bool log = false;    // log_softmax instead of softmax
-  bool causal = false; // element (i, j) of the last two dims takes part only if j <= i
-  int64_t q_len = 1;   // size of dim -2; the query index of a row is row % q_len
+  float scale = 1.f;    // z = x * scale (+ additive mask) before the softmax
+  bool log = false;     // log_softmax instead of softmax
+  bool causal = false;  // element (i, j) of the last two dims takes part only if j <= i
+  int64_t q_len = 1;    // size of dim -2; the query index of a row is row % q_len
 };
 
 }  // namespace mti

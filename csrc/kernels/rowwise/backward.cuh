@@ -79,8 +79,8 @@ inline Shape pick_shape(int64_t vecs, int reg_nv, int wide_nv, int shared_nv, in
     }
   }
   int64_t ctas = ceil_div(vecs, int64_t{kMaxThreads} * reg_nv);
-  const bool large_cluster = large_registers && large_threads > 0 &&
-                             ctas >= large_cluster_min && (ctas <= max_cluster || !wide);
+  const bool large_cluster = large_registers && large_threads > 0 && ctas >= large_cluster_min &&
+                             (ctas <= max_cluster || !wide);
   if (cluster_registers == ClusterRegisters::kAll ||
       (cluster_registers == ClusterRegisters::kLargeCtas && large_cluster)) {
     s.path = RowPath::kCluster;
@@ -142,11 +142,11 @@ using One = std::integral_constant<int, 1>;
 // How a backward pass is launched: the vector width, the thread shape and the grid.
 struct Launch {
   bool vec = false;
-  bool cache = false;  // resident vector rows with the column cache (see ColumnCache)
+  bool cache = false;   // resident vector rows with the column cache (see ColumnCache)
   int shared_rows = 1;  // rows per row group and step on the shared path (kR)
   Shape shape;
-  int64_t grid = 0;          // CTAs
-  int64_t partial_rows = 0;  // P: scratch rows per wanted parameter gradient
+  int64_t grid = 0;             // CTAs
+  int64_t partial_rows = 0;     // P: scratch rows per wanted parameter gradient
   int64_t smem_sums_bytes = 0;  // streaming path's parameter gradient sums in shared memory
   int64_t column_tiles = 0;     // > 0: the sums by column_sums_kernel, P row slices of tiles
 };
@@ -161,13 +161,13 @@ struct Launch {
 // kSharedWavesMaxCluster that neither sum parameter gradients nor cache columns (16-bit
 // log_softmax). One grid for the others.
 template <class Op>
-int64_t grid_waves(const Shape& shape, bool params, bool cache,
-                   ClusterRegisters cluster_registers, const TuningKey& key) {
+int64_t grid_waves(const Shape& shape, bool params, bool cache, ClusterRegisters cluster_registers,
+                   const TuningKey& key) {
   if (always_cta_per_group<Op>(shape.path)) return 0;
   if (!Op::kHasParams && shape.path == RowPath::kWideRegisters) {
-    const bool per_group = cluster_registers == ClusterRegisters::kAll ||
-                           (cluster_registers == ClusterRegisters::kLargeCtas &&
-                            shape.threads == kMaxThreads);
+    const bool per_group =
+        cluster_registers == ClusterRegisters::kAll ||
+        (cluster_registers == ClusterRegisters::kLargeCtas && shape.threads == kMaxThreads);
     return per_group ? 0 : tuned(kWideWaves, key);
   }
   return shape.path == RowPath::kShared && !params && !cache &&
@@ -231,8 +231,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
         }
       };
       if constexpr (has_wide_registers<Op>()) {
-        if (l.shape.path == RowPath::kWideRegisters)
-          return on(PathTag<RowPath::kWideRegisters>{});
+        if (l.shape.path == RowPath::kWideRegisters) return on(PathTag<RowPath::kWideRegisters>{});
         if (l.shape.path == RowPath::kWideCluster) return on(PathTag<RowPath::kWideCluster>{});
       }
       if constexpr (Op::kClusterRegisters)
@@ -278,8 +277,7 @@ Launch plan_launch(const BackwardRows& L, bool aligned, int param_arrays, int de
       l.shape = kStreamShape;
     }
   }
-  if (max_units == 0)
-    max_units = int64_t{sm_count} * (tuned(kThreadsPerSm, key) / l.shape.threads);
+  if (max_units == 0) max_units = int64_t{sm_count} * (tuned(kThreadsPerSm, key) / l.shape.threads);
   const int64_t rows_per_cta = l.shape.threads / l.shape.tpr * l.shared_rows;
   const int64_t row_groups = ceil_div(L.y.rows, rows_per_cta);
   if (params) {
@@ -322,15 +320,13 @@ template <class Op, typename T, int VEC, bool kParams>
 cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L, const Op& op,
                           const Launch& l, const Partials& part, cudaStream_t stream) {
   if (l.shape.path == RowPath::kStream) {
-    const auto kernel =
-        backward_kernel<Op, T, VEC, path_nv<Op>(RowPath::kStream, VEC, kParams),
-                        RowPath::kStream, kParams, false>;
+    const auto kernel = backward_kernel<Op, T, VEC, path_nv<Op>(RowPath::kStream, VEC, kParams),
+                                        RowPath::kStream, kParams, false>;
     Partials p = part;
     p.smem_sums = l.smem_sums_bytes > 0;
     if (p.smem_sums) {
-      const cudaError_t err = cudaFuncSetAttribute(kernel,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(l.smem_sums_bytes));
+      const cudaError_t err = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(l.smem_sums_bytes));
       if (err != cudaSuccess) return err;
     }
     kernel<<<static_cast<unsigned>(l.grid), l.shape.threads, l.smem_sums_bytes, stream>>>(
@@ -350,8 +346,8 @@ cudaError_t launch_kernel(const T* y, const T* dy, T* dx, const BackwardRows& L,
     const int64_t smem = resident_backward_smem<Op>(kPath, VEC, NV, l.shape.threads, kParams,
                                                     kCache ? Op::kColumnValues : 0, kR);
     return launch_clustered(kernel, l.grid, l.shape.threads, static_cast<size_t>(smem),
-                            l.shape.cluster, stream, y, dy, dx, L, op, l.shape.tpr,
-                            l.shape.cluster, part);
+                            l.shape.cluster, stream, y, dy, dx, L, op, l.shape.tpr, l.shape.cluster,
+                            part);
   };
   using Shared = PathTag<RowPath::kShared>;
   using Registers = PathTag<RowPath::kRegisters>;

@@ -145,8 +145,7 @@ struct ColumnCache {
 template <class Op>
 constexpr int64_t resident_backward_smem(RowPath path, int vec, int nv, int threads, bool params,
                                          int column_values, int rows) {
-  const int64_t staged =
-      staging_buffers<Op>(path, vec) * 2 * int64_t{rows} * nv * threads * 16;
+  const int64_t staged = staging_buffers<Op>(path, vec) * 2 * int64_t{rows} * nv * threads * 16;
   const int64_t cached = int64_t{column_values} * nv * vec * threads * int64_t{sizeof(float)};
   const int64_t sums = params ? int64_t{nv} * vec * threads * int64_t{sizeof(float)} : 0;
   return staged + cached > sums ? staged + cached : sums;
@@ -274,11 +273,9 @@ __global__ void __launch_bounds__(kCta,
   // their way.
   using Values = ParamValues<Op::kColumnValues, VEC>;
   using Cache = ColumnCache<Op::kColumnValues, NV, VEC>;
-  static_assert(!kCache || (!kStream && Op::template kCacheColumns<kPath>),
-                "no column cache here");
-  Vec* const staging_end =
-      reinterpret_cast<Vec*>(dynamic_smem) +
-      staging_buffers<Op>(kPath, VEC) * 2 * kR * NV * slot_stride;
+  static_assert(!kCache || (!kStream && Op::template kCacheColumns<kPath>), "no column cache here");
+  Vec* const staging_end = reinterpret_cast<Vec*>(dynamic_smem) +
+                           staging_buffers<Op>(kPath, VEC) * 2 * kR * NV * slot_stride;
   const Cache cache{reinterpret_cast<typename Cache::Chunk*>(staging_end) + threadIdx.x,
                     slot_stride};
   if constexpr (kCache) {

@@ -78,8 +78,8 @@ constexpr bool kReadsOnlyX =
 // into shared memory once (cache_param, row_smem_bytes() of dynamic shared memory) and read
 // from there in every row's write loop, the others from global memory (see ParamReader).
 template <class Op, typename T, int VEC, int NV, RowPath kPath, int kCached>
-__global__ void __launch_bounds__(kMaxThreads, forward_min_ctas(sizeof(T), VEC * NV, kPath,
-                                                                  kReadsOnlyX<Op, T>))
+__global__ void __launch_bounds__(kMaxThreads,
+                                  forward_min_ctas(sizeof(T), VEC* NV, kPath, kReadsOnlyX<Op, T>))
     row_kernel(T* __restrict__ x, const RowLayout layout, const Op op, const int tpr,
                const int cluster) {
   using State = typename Op::State;
@@ -116,21 +116,20 @@ __global__ void __launch_bounds__(kMaxThreads, forward_min_ctas(sizeof(T), VEC *
   }
   Vec* const param_slots = reinterpret_cast<Vec*>(dynamic_smem) + threadIdx.x;
   using Stash = StashOf<Op, T>;
-  StashSlot<Stash>* const stash =
-      reinterpret_cast<StashSlot<Stash>*>(reinterpret_cast<Vec*>(dynamic_smem) +
-                                          kCached * blockDim.x) +
-      threadIdx.x;
+  StashSlot<Stash>* const stash = reinterpret_cast<StashSlot<Stash>*>(
+                                      reinterpret_cast<Vec*>(dynamic_smem) + kCached * blockDim.x) +
+                                  threadIdx.x;
   constexpr int kStashSlots = NV * VEC * sizeof(Stash) / 16;  // per stashed step and thread
   if constexpr (kCached > 0) {
 #pragma unroll
     for (int i = 0; i * kHeldNV < kCached; ++i)
       cache_param(param_slots + i * kHeldNV * blockDim.x, static_cast<int>(blockDim.x),
-                  std::min(kHeldNV, kCached - i * kHeldNV), op.params.ptr[i],
-                  op.params.absent[i], Cursor{t, lane_group}, static_cast<Col>(layout.n));
+                  std::min(kHeldNV, kCached - i * kHeldNV), op.params.ptr[i], op.params.absent[i],
+                  Cursor{t, lane_group}, static_cast<Col>(layout.n));
     cp_async_commit();
   }
-  const ParamReader<kHeldNV, VEC, T, Op::kParams, kCached> params{
-      op.params, param_slots, static_cast<int>(blockDim.x)};
+  const ParamReader<kHeldNV, VEC, T, Op::kParams, kCached> params{op.params, param_slots,
+                                                                  static_cast<int>(blockDim.x)};
   unsigned rows_done = 0;  // by this thread: picks the reduction buffers
   for (int64_t g = blockIdx.x / cluster; g < row_groups; g += group_stride) {
     const int64_t r = g * rows_per_cta + sub_row;
@@ -154,8 +153,8 @@ __global__ void __launch_bounds__(kMaxThreads, forward_min_ctas(sizeof(T), VEC *
       mine = State::identity();
       const Col steps = ceil_div(ceil_div(load_end, VEC), step_vecs);
       for (Col s = 0; s < steps; ++s) {
-        const State chunk = read_step<kPerWarp>(z, op, from_global, rc,
-                                      Cursor{s * step_vecs + t, lane_group}, load_end, end);
+        const State chunk = read_step<kPerWarp>(
+            z, op, from_global, rc, Cursor{s * step_vecs + t, lane_group}, load_end, end);
         mine = s == 0 ? chunk : State::combine(mine, chunk);
       }
     } else {
@@ -176,8 +175,7 @@ __global__ void __launch_bounds__(kMaxThreads, forward_min_ctas(sizeof(T), VEC *
     if constexpr (kStream || kPath == RowPath::kStashed)
       total = cta_rows ? warp_allreduce(mine, kWarpSize) : warp_allreduce(mine, tpr);
     else
-      total = cta_rows ? warp_allreduce_chunks(mine, kWarpSize)
-                       : warp_allreduce_chunks(mine, tpr);
+      total = cta_rows ? warp_allreduce_chunks(mine, kWarpSize) : warp_allreduce_chunks(mine, tpr);
     if (cta_rows) total = cta_allreduce(total, warp_totals[rows_done % 2]);
     if (cluster > 1) total = cluster_allreduce(total, exchange, rows_done, rank, cluster);
     ++rows_done;
@@ -206,8 +204,9 @@ __global__ void __launch_bounds__(kMaxThreads, forward_min_ctas(sizeof(T), VEC *
         if constexpr (kSteps == 1)
           write_step(z, op, out, params, row, at, col_stride, end);
         else
-          write_step(z, op, out, [&](int k, Col c0) { return params(s * NV + k, c0); }, row, at,
-                     col_stride, end);
+          write_step(
+              z, op, out, [&](int k, Col c0) { return params(s * NV + k, c0); }, row, at,
+              col_stride, end);
       }
     }
   }
@@ -305,7 +304,7 @@ cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int clus
       return launch_row_kernel<Op, T, VEC, NV, kPath, kCached>(x, layout, op, kMaxThreads,
                                                                kMaxThreads, cluster, call);
     return launch_caching<Op, T, VEC, NV, kPath, fewer_cached(kCached, kHeldNV)>(x, layout, op,
-                                                                                cluster, call);
+                                                                                 cluster, call);
   } else {
     return launch_row_kernel<Op, T, VEC, NV, kPath>(x, layout, op, kMaxThreads, kMaxThreads,
                                                     cluster, call);
@@ -335,10 +334,10 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
     if (n <= int64_t{kMaxThreads} * kScalarNV) {
       const int threads = static_cast<int>(round_up(ceil_div(n, kScalarNV), kWarpSize));
       return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kRegisters>(x, layout, op, threads,
-                                                                          threads, 1, call);
+                                                                         threads, 1, call);
     }
     return launch_row_kernel<Op, T, 1, kScalarNV, RowPath::kStream>(x, layout, op, kMaxThreads,
-                                                                     kMaxThreads, 1, call);
+                                                                    kMaxThreads, 1, call);
   }
 
   constexpr int VEC = kVec<T>;
@@ -355,10 +354,14 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
           x, layout, op, kSmallRowThreads, tpr, 1, call);
     };
     switch (nv) {
-      case 1: return launch(std::integral_constant<int, 1>{});
-      case 2: return launch(std::integral_constant<int, 2>{});
-      case 4: return launch(std::integral_constant<int, 4>{});
-      default: return launch(std::integral_constant<int, kWarpNV>{});
+      case 1:
+        return launch(std::integral_constant<int, 1>{});
+      case 2:
+        return launch(std::integral_constant<int, 2>{});
+      case 4:
+        return launch(std::integral_constant<int, 4>{});
+      default:
+        return launch(std::integral_constant<int, kWarpNV>{});
     }
   }
   constexpr int kCtaRowNV = Op::template kCtaRowRegs<T> / VEC;
@@ -372,7 +375,7 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   if (vecs <= cta_row_threads * kCtaRowNV) {  // a CTA per row, as many threads as it takes
     const int threads = static_cast<int>(round_up(ceil_div(vecs, kCtaRowNV), kWarpSize));
     return launch_row_kernel<Op, T, VEC, kCtaRowNV, RowPath::kRegisters>(x, layout, op, threads,
-                                                                          threads, 1, call);
+                                                                         threads, 1, call);
   }
   // A CTA, or on sm_90+ a cluster of up to max_cluster() CTAs, per row, kCtaNV vectors per
   // thread in registers, and past what registers hold as much again stashed (kStashed);
@@ -384,8 +387,8 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
     constexpr RowPath kPath = decltype(path)::value;
     int cluster = 1;
     while (cluster <= most && vecs > cluster * held_steps(kPath) * cta_vecs) cluster *= 2;
-    const bool fits = cluster <= most &&
-                      row_units<Op, T, VEC, kCtaNV, kPath, 0>(call, kMaxThreads, cluster) > 0;
+    const bool fits =
+        cluster <= most && row_units<Op, T, VEC, kCtaNV, kPath, 0>(call, kMaxThreads, cluster) > 0;
     return fits ? cluster : 0;
   };
   // 16-bit rows of ops without params stash, and so do RMSNorm's: x stashed as itself
@@ -400,8 +403,7 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
     if (vecs > cta_vecs) {
       const int cluster = cluster_for(PathTag<RowPath::kStashed>{});
       if (cluster > 0 && cluster <= tuned(kStashMaxCluster, call.key))
-        return launch_caching<Op, T, VEC, kCtaNV, RowPath::kStashed>(x, layout, op, cluster,
-                                                                     call);
+        return launch_caching<Op, T, VEC, kCtaNV, RowPath::kStashed>(x, layout, op, cluster, call);
     }
   }
   if (const int cluster = cluster_for(PathTag<RowPath::kCluster>{}))

@@ -172,8 +172,7 @@ __device__ __forceinline__ typename Op::State read_vectors(float (&z)[NV][VEC], 
 // with a float mask on sm_86/sm_89); their causal rows are long runs of full steps anyway.
 template <bool kPerWarp, int NV, int VEC, class Op, class Src, typename Col, int kStride>
 __device__ __forceinline__ typename Op::State read_step(float (&z)[NV][VEC], const Op& op,
-                                                        const Src& src,
-                                                        const typename Op::Row& rc,
+                                                        const Src& src, const typename Op::Row& rc,
                                                         const StepCursor<Col, kStride>& at,
                                                         Col load_end, Col end) {
   const bool full = at.col(NV - 1, VEC) + VEC <= load_end;

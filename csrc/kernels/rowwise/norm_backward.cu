@@ -36,10 +36,8 @@ cudaError_t norm_backward_scratch(const BackwardRows& rows, bool want_weight, bo
   if (err != cudaSuccess) return err;
   // The widest launch (vector path): its grid is capped by the same bound, and the scalar path
   // of the same rows never needs more partial rows than the bound allows either.
-  const Launch l =
-      plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/true, arrays, device, dev);
-  const Launch ls =
-      plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/false, arrays, device, dev);
+  const Launch l = plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/true, arrays, device, dev);
+  const Launch ls = plan_launch<NormBackwardOp<T>, T>(rows, /*aligned=*/false, arrays, device, dev);
   *scratch_floats = std::max(l.partial_rows, ls.partial_rows) * rows.y.n * arrays;
   return cudaSuccess;
 }
@@ -71,8 +69,8 @@ cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const Bac
   if (rows.y.rows > 0 && l.column_tiles > 0) {
     err = launch_paths(y, grad, grad_x, rows, op, l, Partials{nullptr, nullptr}, stream);
     if (err != cudaSuccess) return err;
-    err = launch_column_sums(y, grad, rows, op, l.vec, l.column_tiles, l.partial_rows, part,
-                             stream);
+    err =
+        launch_column_sums(y, grad, rows, op, l.vec, l.column_tiles, l.partial_rows, part, stream);
     if (err != cudaSuccess) return err;
   } else if (rows.y.rows > 0) {
     err = launch_paths(y, grad, grad_x, rows, op, l, part, stream);

@@ -110,9 +110,8 @@ struct NormBackwardOp {
   // FMAs on the row's means times rstd. fp32 keeps the division and the textbook form: the
   // fused one makes its register kernel spill.
   template <bool kParams, int VEC>
-  __device__ __forceinline__ void grad(float (&out)[VEC], float (&acc_w)[VEC],
-                                       float (&acc_b)[VEC], const float (&y)[VEC],
-                                       const float (&g)[VEC],
+  __device__ __forceinline__ void grad(float (&out)[VEC], float (&acc_w)[VEC], float (&acc_b)[VEC],
+                                       const float (&y)[VEC], const float (&g)[VEC],
                                        const ParamValues<kColumnValues, VEC>& p, int64_t,
                                        const Row&, const Fin& f) const {
     float t[VEC], gh[VEC];

@@ -33,9 +33,9 @@ struct MeanM2 {
     const float mid = __fmul_rn(0.5f, __fadd_rn(a.mean, b.mean));
     const float skew = __fmul_rn(__fmul_rn(0.5f, __fsub_rn(b.n, a.n)), inv_n);
     const float mean = __fadd_rn(mid, __fmul_rn(skew, delta));
-    const float m2 = __fadd_rn(__fadd_rn(a.m2, b.m2),
-                               __fmul_rn(__fmul_rn(delta, delta),
-                                         __fmul_rn(__fmul_rn(a.n, b.n), inv_n)));
+    const float m2 =
+        __fadd_rn(__fadd_rn(a.m2, b.m2),
+                  __fmul_rn(__fmul_rn(delta, delta), __fmul_rn(__fmul_rn(a.n, b.n), inv_n)));
     return {n, mean, m2};
   }
 
@@ -107,9 +107,9 @@ struct PivotSums {
     if (b.n == 0.f) return a;
     const CountSum s = CountSum::combine({a.n, a.hi, a.lo}, {b.n, b.hi, b.lo});
     const float delta = __fsub_rn(__fdividef(b.hi, b.n), __fdividef(a.hi, a.n));
-    const float m2 = __fadd_rn(__fadd_rn(a.m2, b.m2),
-                               __fmul_rn(__fmul_rn(delta, delta),
-                                         __fdividef(__fmul_rn(a.n, b.n), s.n)));
+    const float m2 =
+        __fadd_rn(__fadd_rn(a.m2, b.m2),
+                  __fmul_rn(__fmul_rn(delta, delta), __fdividef(__fmul_rn(a.n, b.n), s.n)));
     return {s.n, s.hi, s.lo, m2};
   }
 
@@ -207,8 +207,7 @@ struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
   using State = LayerNormState<T>;
 
   template <int NV, int VEC, class Valid>
-  __device__ __forceinline__ State local(float (&z)[NV][VEC], const Row& rc,
-                                         Valid valid) const {
+  __device__ __forceinline__ State local(float (&z)[NV][VEC], const Row& rc, Valid valid) const {
     const float shift = kPivot ? rc.pivot : 0.f;
     float sum = 0.f, cnt = 0.f;
 #pragma unroll
@@ -305,8 +304,8 @@ struct RmsNormOp : NormOpBase<T, Sum, 1> {  // the sum of squares
   // Unread columns are 0 and add nothing, so `valid` is not needed.
   template <int NV, int VEC, class Valid>
   __device__ __forceinline__ Sum local(float (&z)[NV][VEC], const Row&, Valid) const {
-    return {fold<NV * VEC>(
-        [&](int i) { return z[i / VEC][i % VEC] * z[i / VEC][i % VEC]; }, Add{})};
+    return {
+        fold<NV * VEC>([&](int i) { return z[i / VEC][i % VEC] * z[i / VEC][i % VEC]; }, Add{})};
   }
 
   struct Fin {
@@ -377,9 +376,9 @@ cudaError_t launch_rms_norm(T* x, const RowLayout& layout, const T* weight, floa
   return launch_rows(x, layout, op, norm_aligned<T>(x, layout, weight, nullptr), stream);
 }
 
-#define MTI_INSTANTIATE_NORMS(T)                                                            \
+#define MTI_INSTANTIATE_NORMS(T)                                                             \
   template cudaError_t launch_layer_norm<T>(T*, const RowLayout&, const T*, const T*, float, \
-                                            float*, cudaStream_t);                          \
+                                            float*, cudaStream_t);                           \
   template cudaError_t launch_rms_norm<T>(T*, const RowLayout&, const T*, float, float*,     \
                                           cudaStream_t);
 MTI_INSTANTIATE_NORMS(float)

@@ -126,8 +126,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 template <typename T>
 cudaError_t launch_column_sums(const T* y, const T* dy, const BackwardRows& rows,
-                               const NormBackwardOp<T>& op, bool vec, int64_t tiles,
-                               int64_t slices, const Partials& part, cudaStream_t stream) {
+                               const NormBackwardOp<T>& op, bool vec, int64_t tiles, int64_t slices,
+                               const Partials& part, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(slices));
   if (vec)
     column_sums_kernel<T, kVec<T>><<<grid, kMaxThreads, 0, stream>>>(y, dy, rows, op, part);
@@ -138,8 +138,8 @@ cudaError_t launch_column_sums(const T* y, const T* dy, const BackwardRows& rows
 
 template <typename T>
 cudaError_t launch_sum_partials(const Partials& part, int64_t partial_rows, int64_t n,
-                                int64_t max_slices, const T* weight, T* grad_weight,
-                                T* grad_bias, cudaStream_t stream) {
+                                int64_t max_slices, const T* weight, T* grad_weight, T* grad_bias,
+                                cudaStream_t stream) {
   // 16-byte loads where every partial row is 16-byte aligned (the scratch is, and n % 4 == 0
   // keeps the rows so).
   constexpr int kSumVec = 4;
@@ -159,11 +159,11 @@ cudaError_t launch_sum_partials(const Partials& part, int64_t partial_rows, int6
   return cudaGetLastError();
 }
 
-#define MTI_INSTANTIATE_PARAM_SUMS(T)                                                         \
-  template cudaError_t launch_column_sums<T>(const T*, const T*, const BackwardRows&,         \
+#define MTI_INSTANTIATE_PARAM_SUMS(T)                                                          \
+  template cudaError_t launch_column_sums<T>(const T*, const T*, const BackwardRows&,          \
                                              const NormBackwardOp<T>&, bool, int64_t, int64_t, \
-                                             const Partials&, cudaStream_t);                  \
-  template cudaError_t launch_sum_partials<T>(const Partials&, int64_t, int64_t, int64_t,     \
+                                             const Partials&, cudaStream_t);                   \
+  template cudaError_t launch_sum_partials<T>(const Partials&, int64_t, int64_t, int64_t,      \
                                               const T*, T*, T*, cudaStream_t);
 MTI_INSTANTIATE_PARAM_SUMS(float)
 MTI_INSTANTIATE_PARAM_SUMS(__half)

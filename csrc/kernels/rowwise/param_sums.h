@@ -21,8 +21,8 @@ struct NormBackwardOp;
 // Where the scratch rows of the parameter gradients start: [want_w ? P : 0 rows of grad_weight
 // partials][want_b ? P : 0 rows of grad_bias partials], each row n floats.
 struct Partials {
-  float* w;  // nullptr: grad_weight not wanted
-  float* b;  // nullptr: grad_bias not wanted
+  float* w;                // nullptr: grad_weight not wanted
+  float* b;                // nullptr: grad_bias not wanted
   bool smem_sums = false;  // streaming path: sum in dynamic shared memory, [w?][b?] x n floats
 };
 
@@ -34,8 +34,8 @@ constexpr int kColumnSlices = kMaxThreads / kWarpSize;
 // `slices` slices of the rows, each slice summing into its own scratch row of `part`.
 template <typename T>
 cudaError_t launch_column_sums(const T* y, const T* dy, const BackwardRows& rows,
-                               const NormBackwardOp<T>& op, bool vec, int64_t tiles,
-                               int64_t slices, const Partials& part, cudaStream_t stream);
+                               const NormBackwardOp<T>& op, bool vec, int64_t tiles, int64_t slices,
+                               const Partials& part, cudaStream_t stream);
 
 // grad_weight and grad_bias (nullptr where not wanted) <- the column sums of the
 // `partial_rows` scratch rows of each array of `part`, grad_weight's divided by `weight` (0
@@ -43,7 +43,7 @@ cudaError_t launch_column_sums(const T* y, const T* dy, const BackwardRows& rows
 // kSumMaxSlices).
 template <typename T>
 cudaError_t launch_sum_partials(const Partials& part, int64_t partial_rows, int64_t n,
-                                int64_t max_slices, const T* weight, T* grad_weight,
-                                T* grad_bias, cudaStream_t stream);
+                                int64_t max_slices, const T* weight, T* grad_weight, T* grad_bias,
+                                cudaStream_t stream);
 
 }  // namespace mti

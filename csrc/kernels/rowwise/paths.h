@@ -40,8 +40,8 @@ constexpr int held_steps(RowPath path) { return path == RowPath::kStashed ? 2 : 
 // Whether a row on `path` may span the CTAs of a cluster (the CTAs then have the cluster
 // size, and CTA `rank` owns the rank-th run of the row).
 constexpr bool spans_cluster(RowPath path) {
-  return path == RowPath::kCluster || path == RowPath::kWideCluster ||
-         path == RowPath::kStashed || path == RowPath::kShared;
+  return path == RowPath::kCluster || path == RowPath::kWideCluster || path == RowPath::kStashed ||
+         path == RowPath::kShared;
 }
 
 // Whether `path` holds more elements per thread than the op's plain register rows.

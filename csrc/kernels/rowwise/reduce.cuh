@@ -33,8 +33,7 @@ __device__ __forceinline__ S warp_allreduce(S s, int width) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     if (offset < width) {
-      const S other =
-          s.map([offset](auto v) { return __shfl_xor_sync(0xffffffffu, v, offset); });
+      const S other = s.map([offset](auto v) { return __shfl_xor_sync(0xffffffffu, v, offset); });
       s = S::combine(s, other);
     }
   }
@@ -111,8 +110,7 @@ struct RowStates {
 template <class S, class = void>
 struct HasChunkAllreduce : std::false_type {};
 template <class S>
-struct HasChunkAllreduce<
-    S, std::void_t<decltype(S::allreduce_chunks(std::declval<const S&>(), 0))>>
+struct HasChunkAllreduce<S, std::void_t<decltype(S::allreduce_chunks(std::declval<const S&>(), 0))>>
     : std::true_type {};
 
 // warp_allreduce of the states of the threads' own chunks of a row, where a state may bring
@@ -217,8 +215,8 @@ __device__ __forceinline__ S cluster_allreduce(const S& cta_total, ClusterExchan
 #pragma unroll
     for (int i = 0; i < kWords; ++i)
       asm volatile(
-          "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
-              slot + i * 4u),
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(slot +
+                                                                                            i * 4u),
           "r"(__float_as_uint(words[i])), "r"(remote_full)
           : "memory");
   }

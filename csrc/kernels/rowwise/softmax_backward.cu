@@ -182,7 +182,7 @@ struct SoftmaxBackwardOp : SoftmaxRows<kMask> {
 // softmax's launch choices for this call (rowwise/tuning.h): `masked`, whether a mask tensor
 // is read (log_softmax's only, see launch_softmax_backward).
 OpChoices softmax_choices(const TuningKey& key, bool log, bool masked) {
-  const Tunable& cluster_registers = !log    ? kSoftmaxClusterRegisters
+  const Tunable& cluster_registers = !log     ? kSoftmaxClusterRegisters
                                      : masked ? kMaskedLogSoftmaxClusterRegisters
                                               : kLogSoftmaxClusterRegisters;
   OpChoices c;
@@ -204,8 +204,8 @@ cudaError_t launch_softmax_masked(const T* y, const T* dy, T* dx, const Backward
   if (err != cudaSuccess) return err;
   const bool aligned =
       all_rows_aligned(y, dy, dx, L, sizeof(T)) && op.template mask_vectors_aligned<T>();
-  const OpChoices choices = softmax_choices(tuning_key(dev, sizeof(T), L.y.n), params.log,
-                                            kMask != MaskKind::kNone);
+  const OpChoices choices =
+      softmax_choices(tuning_key(dev, sizeof(T), L.y.n), params.log, kMask != MaskKind::kNone);
   const Launch l = plan_launch<Op, T>(L, aligned, 0, device, dev, choices);
   return launch_paths(y, dy, dx, L, op, l, Partials{nullptr, nullptr}, stream);
 }
@@ -227,13 +227,13 @@ cudaError_t launch_softmax_backward(const T* y, const T* grad, T* grad_x, const 
       return launch_softmax_masked<T, MaskKind::kBool>(y, grad, grad_x, rows, mask, mask_layout,
                                                        params, stream);
     case MaskKind::kAdditive:
-      return launch_softmax_masked<T, MaskKind::kAdditive>(y, grad, grad_x, rows, mask,
-                                                           mask_layout, params, stream);
+      return launch_softmax_masked<T, MaskKind::kAdditive>(y, grad, grad_x, rows, mask, mask_layout,
+                                                           params, stream);
     case MaskKind::kNone:
       break;
   }
-  return launch_softmax_masked<T, MaskKind::kNone>(y, grad, grad_x, rows, mask, mask_layout,
-                                                   params, stream);
+  return launch_softmax_masked<T, MaskKind::kNone>(y, grad, grad_x, rows, mask, mask_layout, params,
+                                                   stream);
 }
 
 #define MTI_INSTANTIATE_SOFTMAX_BACKWARD(T)                                                    \

@@ -73,12 +73,12 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   // Per vector: the additive mask's values, or the bool mask's bytes as one integer (kept
   // packed: a byte per register would crowd out the row).
   template <int VEC>
-  using BoolWord = std::conditional_t<VEC == 8, uint64_t,
-                                      std::conditional_t<VEC == 4, uint32_t, uint8_t>>;
+  using BoolWord =
+      std::conditional_t<VEC == 8, uint64_t, std::conditional_t<VEC == 4, uint32_t, uint8_t>>;
   template <int VEC>
-  using Aux = std::conditional_t<kMask == MaskKind::kNone, NoAux,
-                                 std::conditional_t<kMask == MaskKind::kBool, BoolWord<VEC>,
-                                                    Packed<MaskT, VEC>>>;
+  using Aux = std::conditional_t<
+      kMask == MaskKind::kNone, NoAux,
+      std::conditional_t<kMask == MaskKind::kBool, BoolWord<VEC>, Packed<MaskT, VEC>>>;
 
   struct Row {
     int64_t load_end;  // causal rows read only the columns j <= r % q_len
@@ -90,8 +90,7 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   }
 
   template <int VEC>
-  __device__ __forceinline__ void load_aux(Aux<VEC>& a, const Row& rc, int64_t c0,
-                                           int cnt) const {
+  __device__ __forceinline__ void load_aux(Aux<VEC>& a, const Row& rc, int64_t c0, int cnt) const {
     // A bool mask is usually broadcast over the batch (and heads): kept in L2 for the rows
     // that share it. (Not the additive one: its vectors are as wide as x's, and the largest
     // kernels then spilled on sm_80 and sm_90a.)
@@ -186,8 +185,8 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
     o.fin = f;
     // A chunk whose elements are all masked has e = 0 (or NaN); keep it 0 without computing
     // exp(-inf - m). A NaN sum still reaches every element through inv_s.
-    o.factor = log || f.empty ? 0.f
-                              : (chunk.m == -INFINITY ? 0.f : exp_for<T>(chunk.m - f.m)) * f.inv_s;
+    o.factor =
+        log || f.empty ? 0.f : (chunk.m == -INFINITY ? 0.f : exp_for<T>(chunk.m - f.m)) * f.inv_s;
     return o;
   }
 
@@ -236,14 +235,12 @@ cudaError_t launch_softmax(T* x, const RowLayout& layout, const void* mask,
   return launch_masked<T, MaskKind::kNone>(x, layout, mask, mask_layout, params, stream);
 }
 
-template cudaError_t launch_softmax<float>(float*, const RowLayout&, const void*,
-                                           const MaskLayout&, const SoftmaxParams&,
-                                           cudaStream_t);
+template cudaError_t launch_softmax<float>(float*, const RowLayout&, const void*, const MaskLayout&,
+                                           const SoftmaxParams&, cudaStream_t);
 template cudaError_t launch_softmax<__half>(__half*, const RowLayout&, const void*,
-                                            const MaskLayout&, const SoftmaxParams&,
-                                            cudaStream_t);
-template cudaError_t launch_softmax<__nv_bfloat16>(__nv_bfloat16*, const RowLayout&,
-                                                   const void*, const MaskLayout&,
-                                                   const SoftmaxParams&, cudaStream_t);
+                                            const MaskLayout&, const SoftmaxParams&, cudaStream_t);
+template cudaError_t launch_softmax<__nv_bfloat16>(__nv_bfloat16*, const RowLayout&, const void*,
+                                                   const MaskLayout&, const SoftmaxParams&,
+                                                   cudaStream_t);
 
 }  // namespace mti

@@ -25,10 +25,10 @@ struct Args {
   T* x;
   RowIndexer row;
   int64_t rows;
-  int64_t first_block;      // row block of blockIdx.x == 0 (grids are split at 2^31 - 1 blocks)
+  int64_t first_block;  // row block of blockIdx.x == 0 (grids are split at 2^31 - 1 blocks)
   int k;
-  int kpad;                 // K rounded up to kBK: the staged rows are zero beyond K
-  int ldx;                  // pitch of the staged rows in shared memory, in elements
+  int kpad;  // K rounded up to kBK: the staged rows are zero beyond K
+  int ldx;   // pitch of the staged rows in shared memory, in elements
   const T* w;
   const T* bias;            // nullptr: no bias
   int col_tiles_per_block;  // column tiles per block: gridDim.y slices them (staging kernels)

@@ -58,10 +58,10 @@ constexpr int few_warps_max() {
 // row g + 8: output row g + 8h of tile i is column j0 + 2 NA g + 2i + h.
 template <typename T, bool TRANS, int NA, int MT>
 struct FewRowsStep {
-  static constexpr int KS = TRANS ? 32 : 16;                  // k per step
-  static constexpr int W_LOADS = TRANS ? 2 * NA : 4;           // W chunks per thread
-  static constexpr int W_WORDS = TRANS ? 4 : NA;               // 32-bit words per W chunk
-  static constexpr int X_WORDS = TRANS ? 4 : 2;                // per x chunk
+  static constexpr int KS = TRANS ? 32 : 16;          // k per step
+  static constexpr int W_LOADS = TRANS ? 2 * NA : 4;  // W chunks per thread
+  static constexpr int W_WORDS = TRANS ? 4 : NA;      // 32-bit words per W chunk
+  static constexpr int X_WORDS = TRANS ? 4 : 2;       // per x chunk
   // Steps in flight per thread: as many as about 80 registers hold beside the accumulators
   // (of 128 at 16 warps; 128 of 255 at 8, where more spilled).
   static constexpr int kUnroll =
@@ -158,10 +158,9 @@ struct FewRowsStep {
         // Columns 2i (row g) and 2i + 1 (row g + 8) are the halves of word i: 0x5410 pairs
         // the low halves of two words, 0x7632 the high ones (the first word's in the low
         // half, the smaller k).
-        const uint32_t af[4] = {__byte_perm(w[0][i], w[1][i], 0x5410),
-                                __byte_perm(w[0][i], w[1][i], 0x7632),
-                                __byte_perm(w[2][i], w[3][i], 0x5410),
-                                __byte_perm(w[2][i], w[3][i], 0x7632)};
+        const uint32_t af[4] = {
+            __byte_perm(w[0][i], w[1][i], 0x5410), __byte_perm(w[0][i], w[1][i], 0x7632),
+            __byte_perm(w[2][i], w[3][i], 0x5410), __byte_perm(w[2][i], w[3][i], 0x7632)};
 #pragma unroll
         for (int t = 0; t < MT; ++t) mma_16816<T>(acc[i][t], af, x[t]);
       }
@@ -260,12 +259,16 @@ constexpr size_t few_rows_smem(int warps) {
 template <typename T, bool TRANS, int NA, int MT>
 int few_rows_resident(int warps, const DeviceInfo& d) {
   static std::atomic<int> cache[3][kMaxDevices];
-  return once_per_device(cache[warps == 4 ? 0 : warps == 8 ? 1 : 2], [&](int) {
-    const size_t smem = few_rows_smem<NA, MT>(warps), optin = d.smem_optin;
-    if (smem > optin) return 0;
-    return occupancy_units(&few_rows_kernel<T, TRANS, NA, MT>, warps * 32, 1, smem, d.sm_count,
-                           std::min(few_rows_smem<NA, MT>(few_warps_max<MT>()), optin));
-  });
+  return once_per_device(cache[warps == 4   ? 0
+                               : warps == 8 ? 1
+                                            : 2],
+                         [&](int) {
+                           const size_t smem = few_rows_smem<NA, MT>(warps), optin = d.smem_optin;
+                           if (smem > optin) return 0;
+                           return occupancy_units(
+                               &few_rows_kernel<T, TRANS, NA, MT>, warps * 32, 1, smem, d.sm_count,
+                               std::min(few_rows_smem<NA, MT>(few_warps_max<MT>()), optin));
+                         });
 }
 
 // Calls f(std::bool_constant<TRANS>, std::integral_constant<int, NA>,
@@ -275,17 +278,24 @@ template <class F>
 auto with_shape(bool trans, int na, int mt, F&& f) {
   const auto by_mt = [&](auto tr, auto n) {
     switch (mt) {
-      case 1: return f(tr, n, std::integral_constant<int, 1>{});
-      case 2: return f(tr, n, std::integral_constant<int, 2>{});
-      case 4: return f(tr, n, std::integral_constant<int, 4>{});
-      default: return f(tr, n, std::integral_constant<int, 8>{});
+      case 1:
+        return f(tr, n, std::integral_constant<int, 1>{});
+      case 2:
+        return f(tr, n, std::integral_constant<int, 2>{});
+      case 4:
+        return f(tr, n, std::integral_constant<int, 4>{});
+      default:
+        return f(tr, n, std::integral_constant<int, 8>{});
     }
   };
   const auto by_na = [&](auto tr) {
     switch (na) {
-      case 1: return by_mt(tr, std::integral_constant<int, 1>{});
-      case 2: return by_mt(tr, std::integral_constant<int, 2>{});
-      default: return by_mt(tr, std::integral_constant<int, 4>{});
+      case 1:
+        return by_mt(tr, std::integral_constant<int, 1>{});
+      case 2:
+        return by_mt(tr, std::integral_constant<int, 2>{});
+      default:
+        return by_mt(tr, std::integral_constant<int, 4>{});
     }
   };
   return trans ? by_na(std::true_type{}) : by_na(std::false_type{});
@@ -319,7 +329,7 @@ template <typename T>
 void few_rows_configs(const Args<T>& a, bool trans, const DeviceInfo& d,
                       FewRowsConfig (&configs)[2]) {
   const TuningKey key = tuning_key(d, sizeof(T), a.k);
-  const Tunable& tiles = trans ? (a.rows <= 16 ? kFewRowsTilesXwt16 : kFewRowsTilesXwt64)
+  const Tunable& tiles = trans          ? (a.rows <= 16 ? kFewRowsTilesXwt16 : kFewRowsTilesXwt64)
                          : a.rows <= 8  ? kFewRowsTilesXw8
                          : a.rows <= 16 ? kFewRowsTilesXw16
                                         : kFewRowsTilesXw64;
@@ -347,11 +357,9 @@ cudaError_t launch_few_rows(const Args<T>& a, bool trans, const FewRowsConfig& c
   });
 }
 
-#define MTI_INSTANTIATE(T)                                                                 \
-  template void few_rows_configs<T>(const Args<T>&, bool, const DeviceInfo&,               \
-                                    FewRowsConfig (&)[2]);                                 \
-  template cudaError_t launch_few_rows<T>(const Args<T>&, bool, const FewRowsConfig&,      \
-                                          cudaStream_t);
+#define MTI_INSTANTIATE(T)                                                                         \
+  template void few_rows_configs<T>(const Args<T>&, bool, const DeviceInfo&, FewRowsConfig(&)[2]); \
+  template cudaError_t launch_few_rows<T>(const Args<T>&, bool, const FewRowsConfig&, cudaStream_t);
 MTI_INSTANTIATE(__half)
 MTI_INSTANTIATE(__nv_bfloat16)
 #undef MTI_INSTANTIATE

@@ -125,8 +125,7 @@ __device__ __forceinline__ void fma_body(const Args<T>& a) {
 }
 
 template <typename T, bool TRANS, class Tile>
-__global__ void __launch_bounds__(Tile::THREADS)
-    fma_kernel(const __grid_constant__ Args<T> a) {
+__global__ void __launch_bounds__(Tile::THREADS) fma_kernel(const __grid_constant__ Args<T> a) {
   fma_body<T, TRANS, Tile>(a);
 }
 

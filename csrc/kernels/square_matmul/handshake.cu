@@ -98,7 +98,7 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   const int col_tiles = (a.k + BN - 1) / BN;
   const int k_tiles = (a.k + BK - 1) / BK;
   const int64_t row_blocks = (a.rows + BM - 1) / BM;
-  const int64_t tiles = (row_blocks + C - 1) / C * col_tiles;  // of groups
+  const int64_t tiles = (row_blocks + C - 1) / C * col_tiles;    // of groups
   const int j0 = static_cast<int>(cluster_id % col_tiles) * BN;  // the same in every round
   const int tid = static_cast<int>(threadIdx.x);
   // This CTA's row block in group tile i (with C > 1, past the last one for the last CTA of a
@@ -107,9 +107,8 @@ __device__ __forceinline__ void handshake_body(const Args<T>& a, const TmaMaps& 
   // The CTA's steps (k tiles of its tiles, in order: the stages are a ring across tiles): at
   // most (row_blocks + 1) * k_tiles (G >= T), about M * K / 8192, an int for any x of fewer
   // than 2^44 elements.
-  const int steps = cluster_id < tiles
-                        ? static_cast<int>((tiles - 1 - cluster_id) / clusters + 1) * k_tiles
-                        : 0;
+  const int steps =
+      cluster_id < tiles ? static_cast<int>((tiles - 1 - cluster_id) / clusters + 1) * k_tiles : 0;
   // The producer's next step t: k tile kt of the CTA's tile i, of row block rb. Advanced in
   // place: computed from t by 64-bit divisions, the step's indices would hold the loads up.
   int t_next = 0, kt_next = 0;
@@ -322,8 +321,8 @@ int grid(int k) {
   const int resident = once_per_device(cache, [](int) {
     DeviceInfo d;
     return current_device(&d) == cudaSuccess
-               ? occupancy_units(&handshake_kernel<T, TRANS, Tile>, Tile::THREADS, C,
-                                 Tile::kSmem, d.sm_count, 0, /*cooperative=*/true)
+               ? occupancy_units(&handshake_kernel<T, TRANS, Tile>, Tile::THREADS, C, Tile::kSmem,
+                                 d.sm_count, 0, /*cooperative=*/true)
                : 0;
   });
   const int tiles = col_tiles(k);
@@ -350,8 +349,7 @@ cudaError_t launch(Args<T> a, const HandshakeConfig& c, int* counters, cudaStrea
     constexpr int C = Tile::kWParts;
     const int64_t ctas = std::min<int64_t>(c.grid, ceil_div(blocks, int64_t{C}) * tiles * C);
     cudaLaunchAttribute attrs[2];
-    const cudaLaunchConfig_t cfg =
-        launch_config<Tile>(static_cast<unsigned>(ctas), stream, attrs);
+    const cudaLaunchConfig_t cfg = launch_config<Tile>(static_cast<unsigned>(ctas), stream, attrs);
     err = cudaLaunchKernelEx(&cfg, &handshake_kernel<T, TRANS, Tile>, a, maps, counters);
   }
   return err == cudaSuccess ? cudaGetLastError() : err;
@@ -376,8 +374,8 @@ HandshakeConfig handshake_config(const Args<T>& a, bool trans, const DeviceInfo&
 }
 
 template <typename T>
-cudaError_t launch_handshake(const Args<T>& a, bool trans, const HandshakeConfig& c,
-                             int* counters, bool counters_zero, cudaStream_t stream) {
+cudaError_t launch_handshake(const Args<T>& a, bool trans, const HandshakeConfig& c, int* counters,
+                             bool counters_zero, cudaStream_t stream) {
   // Zeroed on the stream rather than by the kernel's CTAs before a grid barrier, which cost
   // more than this memset.
   if (!counters_zero) {
@@ -391,10 +389,10 @@ cudaError_t launch_handshake(const Args<T>& a, bool trans, const HandshakeConfig
   });
 }
 
-#define MTI_INSTANTIATE(T)                                                                 \
-  template HandshakeConfig handshake_config<T>(const Args<T>&, bool, const DeviceInfo&);   \
-  template cudaError_t launch_handshake<T>(const Args<T>&, bool, const HandshakeConfig&,   \
-                                           int*, bool, cudaStream_t);
+#define MTI_INSTANTIATE(T)                                                                     \
+  template HandshakeConfig handshake_config<T>(const Args<T>&, bool, const DeviceInfo&);       \
+  template cudaError_t launch_handshake<T>(const Args<T>&, bool, const HandshakeConfig&, int*, \
+                                           bool, cudaStream_t);
 MTI_INSTANTIATE(__half)
 MTI_INSTANTIATE(__nv_bfloat16)
 #undef MTI_INSTANTIATE

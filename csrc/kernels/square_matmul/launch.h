@@ -48,8 +48,7 @@ struct WgmmaStream;
 template <class Streaming, typename T>
 StreamConfig stream_config(const Args<T>& a, bool trans, const DeviceInfo& d);
 template <class Streaming, typename T>
-cudaError_t launch_stream(const Args<T>& a, bool trans, const StreamConfig& c,
-                          cudaStream_t stream);
+cudaError_t launch_stream(const Args<T>& a, bool trans, const StreamConfig& c, cudaStream_t stream);
 // Whether the code loaded for the current device has the sm_90a (warpgroup MMA) kernels.
 bool has_wgmma();
 
@@ -59,7 +58,7 @@ bool has_wgmma();
 template <typename T>
 HandshakeConfig handshake_config(const Args<T>& a, bool trans, const DeviceInfo& d);
 template <typename T>
-cudaError_t launch_handshake(const Args<T>& a, bool trans, const HandshakeConfig& c,
-                             int* counters, bool counters_zero, cudaStream_t stream);
+cudaError_t launch_handshake(const Args<T>& a, bool trans, const HandshakeConfig& c, int* counters,
+                             bool counters_zero, cudaStream_t stream);
 
 }  // namespace mti::square_matmul

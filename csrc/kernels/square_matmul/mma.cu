@@ -143,8 +143,7 @@ __device__ __forceinline__ void mma_body(const Args<T>& a) {
 }
 
 template <typename T, bool TRANS, class Tile>
-__global__ void __launch_bounds__(Tile::THREADS)
-    mma_kernel(const __grid_constant__ Args<T> a) {
+__global__ void __launch_bounds__(Tile::THREADS) mma_kernel(const __grid_constant__ Args<T> a) {
   if constexpr (has_mma<T>())
     mma_body<T, TRANS, Tile>(a);
   else

@@ -127,8 +127,8 @@ void plan_zero_workspace(const Args<T>& a, bool transpose, const DeviceInfo& d, 
 }  // namespace
 
 template <typename T>
-cudaError_t select_square_matmul(const T* x, const RowLayout& layout, const T* w,
-                                 bool transpose, const Offer& offer, Plan* plan) {
+cudaError_t select_square_matmul(const T* x, const RowLayout& layout, const T* w, bool transpose,
+                                 const Offer& offer, Plan* plan) {
   *plan = Plan{};
   const Args<T> a = make_args<T>(const_cast<T*>(x), layout, w, nullptr, /*mma=*/true);
   Device device;
@@ -153,8 +153,7 @@ cudaError_t select_square_matmul(const T* x, const RowLayout& layout, const T* w
   if (sizeof(T) == 2 && !offer.no_workspace && !offer.handshake_refused &&
       device.get(&d) == cudaSuccess && wgmma_applies(a, *d) && d->coop) {
     const HandshakeConfig h = handshake_config<T>(a, transpose, *d);
-    if (h.counters > 0 &&
-        h.counters * static_cast<int64_t>(sizeof(int)) <= offer.workspace_bytes) {
+    if (h.counters > 0 && h.counters * static_cast<int64_t>(sizeof(int)) <= offer.workspace_bytes) {
       plan->kernel = Kernel::kHandshake;
       plan->handshake = h;
       return cudaSuccess;
@@ -213,11 +212,11 @@ cudaError_t run_square_matmul(const Plan& plan, T* x, const RowLayout& layout, c
   return cudaErrorInvalidValue;  // not a kernel of ours (kCublas, kTooLarge)
 }
 
-#define MTI_INSTANTIATE(T)                                                                  \
-  template cudaError_t select_square_matmul<T>(const T*, const RowLayout&, const T*, bool,  \
-                                               const Offer&, Plan*);                        \
-  template cudaError_t run_square_matmul<T>(const Plan&, T*, const RowLayout&, const T*,    \
-                                            const T*, bool, int*, bool, cudaStream_t);
+#define MTI_INSTANTIATE(T)                                                                         \
+  template cudaError_t select_square_matmul<T>(const T*, const RowLayout&, const T*, bool,         \
+                                               const Offer&, Plan*);                               \
+  template cudaError_t run_square_matmul<T>(const Plan&, T*, const RowLayout&, const T*, const T*, \
+                                            bool, int*, bool, cudaStream_t);
 MTI_INSTANTIATE(float)
 MTI_INSTANTIATE(__half)
 MTI_INSTANTIATE(__nv_bfloat16)

@@ -61,8 +61,8 @@ struct Plan {
 
 // What the host offers a call, and what it has found since its last plan.
 struct Offer {
-  int64_t workspace_bytes = 0;  // what it may allocate (0: nothing)
-  bool chunks_accurate = true;  // cuBLAS's chunks of rows would be as accurate as one GEMM
+  int64_t workspace_bytes = 0;     // what it may allocate (0: nothing)
+  bool chunks_accurate = true;     // cuBLAS's chunks of rows would be as accurate as one GEMM
   bool few_rows_refused = false;   // the few-rows kernel's launch was refused
   bool handshake_refused = false;  // the handshake kernel's launch was refused
   bool no_workspace = false;       // the workspace could not be had
@@ -74,8 +74,8 @@ struct Offer {
 // w: (K, K) contiguous. T is float, __half or __nv_bfloat16. Returns an error only where the
 // device cannot be queried.
 template <typename T>
-cudaError_t select_square_matmul(const T* x, const RowLayout& layout, const T* w,
-                                 bool transpose, const Offer& offer, Plan* plan);
+cudaError_t select_square_matmul(const T* x, const RowLayout& layout, const T* w, bool transpose,
+                                 const Offer& offer, Plan* plan);
 
 // Runs `plan`'s kernel (not kCublas, kTooLarge) on `stream`; bias: K elements or nullptr.
 // kHandshake: counters holds plan.handshake.counters ints, all 0 where counters_zero (else

@@ -88,8 +88,7 @@ __device__ __forceinline__ void store_out(const Args<T>& a, const int64_t* row_o
 
 template <class Tile>
 size_t smem_bytes(int kpad, bool trans, size_t elem) {
-  return Tile::BM * sizeof(int64_t) +
-         static_cast<size_t>(Tile::BM) * (kpad + Tile::kXPad) * elem +
+  return Tile::BM * sizeof(int64_t) + static_cast<size_t>(Tile::BM) * (kpad + Tile::kXPad) * elem +
          static_cast<size_t>(Tile::kWBuffers) * Tile::w_tile_elems(trans) * elem;
 }
 
@@ -145,9 +144,9 @@ int64_t launch_cost(int64_t rows, int k, int kpad, bool trans, size_t elem, int6
   const size_t smem = smem_bytes<Tile>(kpad, trans, elem);
   if (smem > static_cast<size_t>(d.smem_optin)) return INT64_MAX;
   const int col_tiles = (k + Tile::BN - 1) / Tile::BN;
-  const int64_t per_sm = std::max<int64_t>(
-      1, std::min<int64_t>(d.smem_per_sm / (smem + d.smem_reserved),
-                           d.threads_per_sm / Tile::THREADS));
+  const int64_t per_sm =
+      std::max<int64_t>(1, std::min<int64_t>(d.smem_per_sm / (smem + d.smem_reserved),
+                                             d.threads_per_sm / Tile::THREADS));
   const Split s = split_work(rows, Tile::BM, col_tiles, per_sm * d.sm_count, d);
   const int64_t waves = (s.row_blocks * s.slices + d.sm_count - 1) / d.sm_count;
   return waves * s.per_block * (w_cost + Tile::BM);
@@ -170,9 +169,8 @@ int pick_tile(TileList<Tiles...>, int64_t rows, int k, int kpad, bool trans, siz
 template <typename T, bool TRANS, class Tile, class Kernel>
 cudaError_t launch_tile(Kernel kernel, Args<T> a, const DeviceInfo& d, cudaStream_t stream) {
   const size_t smem = smem_bytes<Tile>(a.kpad, TRANS, sizeof(T));
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
   if (err != cudaSuccess) return err;
 
   const int col_tiles = (a.k + Tile::BN - 1) / Tile::BN;
@@ -223,16 +221,16 @@ cudaError_t launch_staging(const Args<T>& a, bool trans, int tile, const DeviceI
                            cudaStream_t stream) {
   return with_tile(typename Staging::Tiles{}, tile, cudaErrorInvalidValue, [&](auto t) {
     using Tile = decltype(t);
-    return trans ? launch_tile<T, true, Tile>(Staging::template kernel<T, true, Tile>(), a, d,
-                                              stream)
-                 : launch_tile<T, false, Tile>(Staging::template kernel<T, false, Tile>(), a, d,
-                                               stream);
+    return trans
+               ? launch_tile<T, true, Tile>(Staging::template kernel<T, true, Tile>(), a, d, stream)
+               : launch_tile<T, false, Tile>(Staging::template kernel<T, false, Tile>(), a, d,
+                                             stream);
   });
 }
 
 // The instantiations of the functions above for a kernel's file.
-#define MTI_INSTANTIATE_STAGING(STAGING, T)                                                   \
-  template int staging_tile<STAGING, T>(const Args<T>&, bool, const DeviceInfo&);            \
+#define MTI_INSTANTIATE_STAGING(STAGING, T)                                                     \
+  template int staging_tile<STAGING, T>(const Args<T>&, bool, const DeviceInfo&);               \
   template cudaError_t launch_staging<STAGING, T>(const Args<T>&, bool, int, const DeviceInfo&, \
                                                   cudaStream_t);
 

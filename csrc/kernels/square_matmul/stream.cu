@@ -55,7 +55,7 @@ struct StreamTile {
   static constexpr int kBlocksPerSm = 1;
   static constexpr int kStages = square_matmul::kStages;
   static constexpr int kMaxCluster = kStreamMaxCluster;
-  static constexpr bool kTma = false;  // cp.async loads: every block loads all of each x tile
+  static constexpr bool kTma = false;   // cp.async loads: every block loads all of each x tile
   static constexpr int kSmemSlack = 0;  // bytes of dynamic shared memory spent on alignment
   static_assert(X_TILE / 8 % THREADS == 0, "whole 16-byte chunks of x per thread");
   static_assert(kStages * STAGE >= BM * LAST_LD, "the last tile parks in the stages");
@@ -142,8 +142,8 @@ __device__ __forceinline__ void stream_body(const Args<T>& a) {
   uint32_t a_off[KS], b_off[B_OFFS];
 #pragma unroll
   for (int s = 0; s < KS; ++s)
-    a_off[s] = sizeof(T) * w_index<kBK>(warp_r * MT * 16 + (mi & 1) * 8 + mr,
-                                        s * 16 + (mi >> 1) * 8);
+    a_off[s] =
+        sizeof(T) * w_index<kBK>(warp_r * MT * 16 + (mi & 1) * 8 + mr, s * 16 + (mi >> 1) * 8);
 #pragma unroll
   for (int i = 0; i < B_OFFS; ++i) {
     // Transposed: W^T row n + mr (+ 16 np), k16 step i; else k row mr (+ 16 s), n16 tile i.
@@ -154,7 +154,7 @@ __device__ __forceinline__ void stream_body(const Args<T>& a) {
   const uint32_t stages_addr = smem_u32(stages);
   constexpr uint32_t STAGE_BYTES = STAGE * sizeof(T);
   // Fragments of k16 step s of the stage at shared address st.
-  auto load_frags = [&](uint32_t st, int s, uint32_t(&af)[MT][4], uint32_t(&bf)[NT][2]) {
+  auto load_frags = [&](uint32_t st, int s, uint32_t (&af)[MT][4], uint32_t (&bf)[NT][2]) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
       ldsm_x4<false>(af[mt], st + a_off[s] + mt * 16 * kBK * sizeof(T));
@@ -223,8 +223,7 @@ __device__ __forceinline__ void stream_body(const Args<T>& a) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          mma_16816<T>(acc[mt][nt], af[s % 2][mt], bf[s % 2][nt]);
+        for (int nt = 0; nt < NT; ++nt) mma_16816<T>(acc[mt][nt], af[s % 2][mt], bf[s % 2][nt]);
     }
     if (++kt == k_tiles && t + 1 < tiles) {
       park(outs + parked * BN, out_ld, (ct_begin + parked) * BN);

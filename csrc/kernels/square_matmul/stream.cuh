@@ -32,24 +32,22 @@ namespace mti::square_matmul {
 // Tile::LAST_LD), go over x, 16 bytes at a time, after a barrier that orders the reads of x
 // (the whole cluster's) before the writes and makes the parked tiles visible block-wide.
 template <typename T, class Tile>
-__device__ __forceinline__ void write_parked(const Args<T>& a, const int64_t* row_off,
-                                             int nrows, const T* outs, int out_ld,
-                                             const T* stages, int ct_begin, int ct_end,
-                                             int parked) {
+__device__ __forceinline__ void write_parked(const Args<T>& a, const int64_t* row_off, int nrows,
+                                             const T* outs, int out_ld, const T* stages,
+                                             int ct_begin, int ct_end, int parked) {
   constexpr int BN = Tile::BN;
   if (a.cluster > 1)
     cluster_sync();
   else
     __syncthreads();
   const int col0 = ct_begin * BN;
-  const int last0 = parked * BN;  // the last tile's first column, from col0
+  const int last0 = parked * BN;                          // the last tile's first column, from col0
   const int chunks = (min(ct_end * BN, a.k) - col0) / 8;  // per row; K is a multiple of 8
   for (int c = threadIdx.x; c < nrows * chunks; c += Tile::THREADS) {
     const int r = c / chunks, col = (c - r * chunks) * 8;
-    const T* src = col < last0 ? outs + r * out_ld + col
-                               : stages + r * Tile::LAST_LD + (col - last0);
-    *reinterpret_cast<uint4*>(a.x + row_off[r] + col0 + col) =
-        *reinterpret_cast<const uint4*>(src);
+    const T* src =
+        col < last0 ? outs + r * out_ld + col : stages + r * Tile::LAST_LD + (col - last0);
+    *reinterpret_cast<uint4*>(a.x + row_off[r] + col0 + col) = *reinterpret_cast<const uint4*>(src);
   }
 }
 
@@ -82,8 +80,8 @@ cudaError_t cluster_launch_config(Kernel kernel, size_t smem, int cluster, int64
   cfg->stream = stream;
   cfg->attrs = attr;
   cfg->numAttrs = 1;
-  cfg->gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(row_blocks, INT_MAX / cluster) *
-                                            cluster));
+  cfg->gridDim =
+      dim3(static_cast<unsigned>(std::min<int64_t>(row_blocks, INT_MAX / cluster) * cluster));
   return err;
 }
 
@@ -126,7 +124,7 @@ StreamConfig plan_stream(Kernel kernel, int64_t rows, int k, int64_t load_rows,
   const int64_t row_blocks = (rows + Tile::BM - 1) / Tile::BM;
   for (int cluster = 1; cluster <= std::min(Tile::kMaxCluster, col_tiles); ++cluster) {
     const int tpc = (col_tiles + cluster - 1) / cluster;
-    if ((col_tiles + tpc - 1) / tpc != cluster) continue;  // a block would be left empty
+    if ((col_tiles + tpc - 1) / tpc != cluster) continue;     // a block would be left empty
     if (Tile::kTma && Tile::BM / 8 % cluster != 0) continue;  // whole 8-row pieces
     if (2 * row_blocks * cluster < d.sm_count) continue;
     const size_t smem = stream_smem_bytes<Tile>(tpc, sizeof(T));
@@ -171,9 +169,8 @@ cudaError_t launch_stream_tile(Kernel kernel, Args<T> a, const StreamConfig& p,
       Tile::kTma ? std::min(INT_MAX / p.cluster, INT_MAX / Tile::BM - 1) : INT_MAX / p.cluster;
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
-  cudaError_t err =
-      cluster_launch_config<Tile>(kernel, stream_smem_bytes<Tile>(p.tpc, sizeof(T)), p.cluster,
-                                  row_blocks, stream, &attr, &cfg);
+  cudaError_t err = cluster_launch_config<Tile>(kernel, stream_smem_bytes<Tile>(p.tpc, sizeof(T)),
+                                                p.cluster, row_blocks, stream, &attr, &cfg);
   if (err != cudaSuccess) return err;
   for (int64_t first = 0; first < row_blocks; first += per_launch) {
     a.first_block = first;
@@ -184,8 +181,7 @@ cudaError_t launch_stream_tile(Kernel kernel, Args<T> a, const StreamConfig& p,
       const int64_t row0 = first * Tile::BM;
       err = make_maps<T, TRANS, Tile>(a, row0, std::min(a.rows - row0, blocks * Tile::BM),
                                       p.cluster, &maps);
-      if (err == cudaSuccess)
-        err = cudaLaunchKernelEx(&cfg, kernel, a, maps);
+      if (err == cudaSuccess) err = cudaLaunchKernelEx(&cfg, kernel, a, maps);
     } else {
       err = cudaLaunchKernelEx(&cfg, kernel, a);
     }
@@ -203,8 +199,8 @@ StreamConfig stream_config(const Args<T>& a, bool trans, const DeviceInfo& d) {
     constexpr bool TRANS = decltype(trans_c)::value;
     return cheapest(typename Streaming::Tiles{}, [&](auto tile) {
       using Tile = decltype(tile);
-      return plan_stream<T, TRANS, Tile>(Streaming::template kernel<T, TRANS, Tile>(), a.rows,
-                                         a.k, load_rows, d);
+      return plan_stream<T, TRANS, Tile>(Streaming::template kernel<T, TRANS, Tile>(), a.rows, a.k,
+                                         load_rows, d);
     });
   };
   return trans ? cheapest_for(std::true_type{}) : cheapest_for(std::false_type{});
@@ -215,10 +211,10 @@ cudaError_t launch_stream(const Args<T>& a, bool trans, const StreamConfig& c,
                           cudaStream_t stream) {
   return with_tile(typename Streaming::Tiles{}, c.tile, cudaErrorInvalidValue, [&](auto tile) {
     using Tile = decltype(tile);
-    return trans ? launch_stream_tile<T, true, Tile>(
-                       Streaming::template kernel<T, true, Tile>(), a, c, stream)
-                 : launch_stream_tile<T, false, Tile>(
-                       Streaming::template kernel<T, false, Tile>(), a, c, stream);
+    return trans ? launch_stream_tile<T, true, Tile>(Streaming::template kernel<T, true, Tile>(), a,
+                                                     c, stream)
+                 : launch_stream_tile<T, false, Tile>(Streaming::template kernel<T, false, Tile>(),
+                                                      a, c, stream);
   });
 }
 

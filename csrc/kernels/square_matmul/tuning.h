@@ -24,10 +24,10 @@ inline constexpr TuningRow kFewRowsFirstXwtRows[] = {
     {When{}, 0, "past K = 4096 cuBLAS + the copy back is as fast or faster on an H100"},
 };
 static_assert(ends_in_catch_all(kFewRowsFirstXwRows) && ends_in_catch_all(kFewRowsFirstXwtRows));
-inline constexpr Tunable kFewRowsFirstXw = tunable("square_matmul.few_rows_first.xw",
-                                                   kFewRowsFirstXwRows);
-inline constexpr Tunable kFewRowsFirstXwt = tunable("square_matmul.few_rows_first.xwt",
-                                                    kFewRowsFirstXwtRows);
+inline constexpr Tunable kFewRowsFirstXw =
+    tunable("square_matmul.few_rows_first.xw", kFewRowsFirstXwRows);
+inline constexpr Tunable kFewRowsFirstXwt =
+    tunable("square_matmul.few_rows_first.xwt", kFewRowsFirstXwtRows);
 
 // ---------------------------------------------------------------------------------------
 // The few-rows kernel (few_rows.cu).
@@ -55,21 +55,20 @@ inline constexpr TuningRow kFewRowsTilesXwt64Rows[] = {
     {When{.n_max = 4096}, 1, "the most blocks, each splitting K among its warps (H100)"},
     {When{}, 4, "fewer blocks, each reading x's rows for more columns: fastest on an H100"},
 };
-static_assert(ends_in_catch_all(kFewRowsTilesXw8Rows) &&
-              ends_in_catch_all(kFewRowsTilesXw16Rows) &&
+static_assert(ends_in_catch_all(kFewRowsTilesXw8Rows) && ends_in_catch_all(kFewRowsTilesXw16Rows) &&
               ends_in_catch_all(kFewRowsTilesXw64Rows) &&
               ends_in_catch_all(kFewRowsTilesXwt16Rows) &&
               ends_in_catch_all(kFewRowsTilesXwt64Rows));
-inline constexpr Tunable kFewRowsTilesXw8 = tunable("square_matmul.few_rows_tiles.xw.8",
-                                                    kFewRowsTilesXw8Rows);
-inline constexpr Tunable kFewRowsTilesXw16 = tunable("square_matmul.few_rows_tiles.xw.16",
-                                                     kFewRowsTilesXw16Rows);
-inline constexpr Tunable kFewRowsTilesXw64 = tunable("square_matmul.few_rows_tiles.xw.64",
-                                                     kFewRowsTilesXw64Rows);
-inline constexpr Tunable kFewRowsTilesXwt16 = tunable("square_matmul.few_rows_tiles.xwt.16",
-                                                      kFewRowsTilesXwt16Rows);
-inline constexpr Tunable kFewRowsTilesXwt64 = tunable("square_matmul.few_rows_tiles.xwt.64",
-                                                      kFewRowsTilesXwt64Rows);
+inline constexpr Tunable kFewRowsTilesXw8 =
+    tunable("square_matmul.few_rows_tiles.xw.8", kFewRowsTilesXw8Rows);
+inline constexpr Tunable kFewRowsTilesXw16 =
+    tunable("square_matmul.few_rows_tiles.xw.16", kFewRowsTilesXw16Rows);
+inline constexpr Tunable kFewRowsTilesXw64 =
+    tunable("square_matmul.few_rows_tiles.xw.64", kFewRowsTilesXw64Rows);
+inline constexpr Tunable kFewRowsTilesXwt16 =
+    tunable("square_matmul.few_rows_tiles.xwt.16", kFewRowsTilesXwt16Rows);
+inline constexpr Tunable kFewRowsTilesXwt64 =
+    tunable("square_matmul.few_rows_tiles.xwt.64", kFewRowsTilesXwt64Rows);
 
 // Warps per multiprocessor that the grid's blocks may add up to: a block has as many warps
 // (halving from the most its registers allow, down to 4) as keep it within this.
@@ -77,8 +76,8 @@ inline constexpr TuningRow kFewRowsWarpsPerSmRows[] = {
     {When{}, 16, "more warps split K finer, fewer let more blocks be resident at once (H100)"},
 };
 static_assert(ends_in_catch_all(kFewRowsWarpsPerSmRows));
-inline constexpr Tunable kFewRowsWarpsPerSm = tunable("square_matmul.few_rows_warps_per_sm",
-                                                      kFewRowsWarpsPerSmRows);
+inline constexpr Tunable kFewRowsWarpsPerSm =
+    tunable("square_matmul.few_rows_warps_per_sm", kFewRowsWarpsPerSmRows);
 
 // ---------------------------------------------------------------------------------------
 // The handshake kernel (handshake.cu).
@@ -89,8 +88,8 @@ inline constexpr TuningRow kHandshakeClusterRows[] = {
     {When{}, 1, "below, the clusters' barriers cost more than the shared loads save (H100)"},
 };
 static_assert(ends_in_catch_all(kHandshakeClusterRows));
-inline constexpr Tunable kHandshakeCluster = tunable("square_matmul.handshake_cluster",
-                                                     kHandshakeClusterRows);
+inline constexpr Tunable kHandshakeCluster =
+    tunable("square_matmul.handshake_cluster", kHandshakeClusterRows);
 
 // ---------------------------------------------------------------------------------------
 // The zero-workspace kernels' cost models, which pick their tile and split (mma.cu, fma.cu,
@@ -113,8 +112,8 @@ static_assert(ends_in_catch_all(kMmaWCostRows) && ends_in_catch_all(kFmaWCostRow
               ends_in_catch_all(kStreamLoadRowsRows));
 inline constexpr Tunable kMmaWCost = tunable("square_matmul.mma_w_cost", kMmaWCostRows);
 inline constexpr Tunable kFmaWCost = tunable("square_matmul.fma_w_cost", kFmaWCostRows);
-inline constexpr Tunable kStreamLoadRows = tunable("square_matmul.stream_load_rows",
-                                                   kStreamLoadRowsRows);
+inline constexpr Tunable kStreamLoadRows =
+    tunable("square_matmul.stream_load_rows", kStreamLoadRowsRows);
 
 // ---------------------------------------------------------------------------------------
 // cuBLAS's chunks of rows through the workspace (csrc/cuda/square_matmul.cu).
@@ -131,8 +130,7 @@ inline constexpr TuningRow kChunkMinRowsRows[] = {
 };
 static_assert(ends_in_catch_all(kChunkBytesRows) && ends_in_catch_all(kChunkMinRowsRows));
 inline constexpr Tunable kChunkBytes = tunable("square_matmul.chunk_bytes", kChunkBytesRows);
-inline constexpr Tunable kChunkMinRows = tunable("square_matmul.chunk_min_rows",
-                                                 kChunkMinRowsRows);
+inline constexpr Tunable kChunkMinRows = tunable("square_matmul.chunk_min_rows", kChunkMinRowsRows);
 
 // ---------------------------------------------------------------------------------------
 // Compile-time shapes: the kernels are instantiated for these.

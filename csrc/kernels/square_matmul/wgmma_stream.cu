@@ -154,8 +154,7 @@ __device__ __forceinline__ void wgmma_body(const Args<T>& a, const TmaMaps& maps
 
 template <typename T, bool TRANS, class Tile>
 __global__ void __launch_bounds__(Tile::THREADS, Tile::kBlocksPerSm)
-    wgmma_stream_kernel(const __grid_constant__ Args<T> a,
-                        const __grid_constant__ TmaMaps maps) {
+    wgmma_stream_kernel(const __grid_constant__ Args<T> a, const __grid_constant__ TmaMaps maps) {
 #if MTI_WGMMA
   wgmma_body<T, TRANS, Tile>(a, maps);
 #else

@@ -30,7 +30,7 @@ struct WgmmaTile {
   static constexpr int BM = 128;
   static constexpr int BN = 256;
   static constexpr int BK = kSwizzleBytes / 2;  // one swizzle row of 16-bit elements
-  static constexpr int kConsumers = 2;  // warpgroups of MMAs, 64 rows each
+  static constexpr int kConsumers = 2;          // warpgroups of MMAs, 64 rows each
   static constexpr int THREADS = 128 * (kConsumers + 1);
   static constexpr int kStages = STAGES;
   static constexpr int A_BYTES = BM * BK * 2;
@@ -107,8 +107,7 @@ __device__ __forceinline__ void tma_load_w(uint32_t st, const TmaMaps& maps, int
 // its x tile by its W tile), added to acc unless this is a tile's first stage (accumulate
 // false), committed as one group.
 template <typename T, bool TRANS, class Tile>
-__device__ __forceinline__ void mma_stage(float (&acc)[128], uint32_t st, int c,
-                                          bool accumulate) {
+__device__ __forceinline__ void mma_stage(float (&acc)[128], uint32_t st, int c, bool accumulate) {
   constexpr int BK = Tile::BK, RB = kSwizzleBytes, ATOM = 8 * kSwizzleBytes;
   wgmma_fence();
 #pragma unroll
@@ -155,8 +154,7 @@ bool encode_map(CUtensorMap* map, const T* base, int64_t cols, int64_t rows, int
   static_assert(sizeof(T) == 2, "16-bit operands");
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols),
-                             static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t unit[2] = {1, 1};
   return encode_tiled()(map,
                         std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
@@ -178,11 +176,10 @@ bool tma_ready(const Args<T>& a) {
 template <typename T, bool TRANS, class Tile>
 cudaError_t make_maps(const Args<T>& a, int64_t row0, int64_t rows, int cluster, TmaMaps* m) {
   const int64_t pitch = (a.row.ndim == 1 ? a.row.strides[0] : a.k) * sizeof(T);
-  const bool ok =
-      encode_map(&m->x, a.x + a.row.offset(row0), a.k, rows, round_up(pitch, 16), Tile::BK,
-                 Tile::BM / cluster) &&
-      encode_map(&m->w, a.w, a.k, a.k, a.k * sizeof(T), Tile::BK,
-                 TRANS ? Tile::BN / Tile::kWParts : Tile::BK);
+  const bool ok = encode_map(&m->x, a.x + a.row.offset(row0), a.k, rows, round_up(pitch, 16),
+                             Tile::BK, Tile::BM / cluster) &&
+                  encode_map(&m->w, a.w, a.k, a.k, a.k * sizeof(T), Tile::BK,
+                             TRANS ? Tile::BN / Tile::kWParts : Tile::BK);
   return ok ? cudaSuccess : cudaErrorInvalidValue;
 }
 
