@@ -1,6 +1,9 @@
 // LayerNorm / RMSNorm backward from the forward's output y and rstd: the launchers of the
 // backward kernel (backward.cuh) with NormBackwardOp, and of the parameter gradient sums
 // (param_sums.h).
+// Instantiated once per dtype, in norm_backward_{f32,f16,bf16}.cu, which the build compiles in
+// parallel.
+#pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -87,9 +90,5 @@ cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const Bac
   template cudaError_t launch_norm_backward<T>(const T*, const T*, T*, const BackwardRows&,    \
                                                const T*, const T*, const float*, bool, T*, T*, \
                                                float*, int64_t, cudaStream_t);
-MTI_INSTANTIATE_NORM_BACKWARD(float)
-MTI_INSTANTIATE_NORM_BACKWARD(__half)
-MTI_INSTANTIATE_NORM_BACKWARD(__nv_bfloat16)
-#undef MTI_INSTANTIATE_NORM_BACKWARD
 
 }  // namespace mti

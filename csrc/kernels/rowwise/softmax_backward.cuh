@@ -1,5 +1,8 @@
 // softmax / log_softmax backward from the forward's output y: the op functor for the backward
 // kernel (backward_kernel.cuh), and its launcher.
+// Instantiated once per dtype, in softmax_backward_{f32,f16,bf16}.cu, which the build compiles in
+// parallel.
+#pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -240,9 +243,5 @@ cudaError_t launch_softmax_backward(const T* y, const T* grad, T* grad_x, const 
   template cudaError_t launch_softmax_backward<T>(const T*, const T*, T*, const BackwardRows&, \
                                                   const void*, const MaskLayout&,              \
                                                   const SoftmaxParams&, cudaStream_t);
-MTI_INSTANTIATE_SOFTMAX_BACKWARD(float)
-MTI_INSTANTIATE_SOFTMAX_BACKWARD(__half)
-MTI_INSTANTIATE_SOFTMAX_BACKWARD(__nv_bfloat16)
-#undef MTI_INSTANTIATE_SOFTMAX_BACKWARD
 
 }  // namespace mti

@@ -1,5 +1,8 @@
 // softmax / log_softmax over rows, written over the input: the op functor for the forward
 // kernel (forward.cuh), and its launcher.
+// Instantiated once per dtype, in softmax_forward_{f32,f16,bf16}.cu, which the build compiles in
+// parallel.
+#pragma once
 #include "kernels/rowwise/rowwise.h"
 
 #include <cuda_bf16.h>
@@ -235,12 +238,8 @@ cudaError_t launch_softmax(T* x, const RowLayout& layout, const void* mask,
   return launch_masked<T, MaskKind::kNone>(x, layout, mask, mask_layout, params, stream);
 }
 
-template cudaError_t launch_softmax<float>(float*, const RowLayout&, const void*, const MaskLayout&,
-                                           const SoftmaxParams&, cudaStream_t);
-template cudaError_t launch_softmax<__half>(__half*, const RowLayout&, const void*,
-                                            const MaskLayout&, const SoftmaxParams&, cudaStream_t);
-template cudaError_t launch_softmax<__nv_bfloat16>(__nv_bfloat16*, const RowLayout&, const void*,
-                                                   const MaskLayout&, const SoftmaxParams&,
-                                                   cudaStream_t);
+#define MTI_INSTANTIATE_SOFTMAX_FORWARD(T)                                                     \
+  template cudaError_t launch_softmax<T>(T*, const RowLayout&, const void*, const MaskLayout&, \
+                                         const SoftmaxParams&, cudaStream_t);
 
 }  // namespace mti

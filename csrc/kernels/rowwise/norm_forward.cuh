@@ -1,5 +1,8 @@
 // LayerNorm and RMSNorm over rows, written over the input: the op functors for the forward
 // kernel (forward.cuh), and their launchers.
+// Instantiated once per dtype, in norm_forward_{f32,f16,bf16}.cu, which the build compiles in
+// parallel.
+#pragma once
 #include "kernels/rowwise/rowwise.h"
 
 #include <cuda_bf16.h>
@@ -381,9 +384,5 @@ cudaError_t launch_rms_norm(T* x, const RowLayout& layout, const T* weight, floa
                                             float*, cudaStream_t);                           \
   template cudaError_t launch_rms_norm<T>(T*, const RowLayout&, const T*, float, float*,     \
                                           cudaStream_t);
-MTI_INSTANTIATE_NORMS(float)
-MTI_INSTANTIATE_NORMS(__half)
-MTI_INSTANTIATE_NORMS(__nv_bfloat16)
-#undef MTI_INSTANTIATE_NORMS
 
 }  // namespace mti

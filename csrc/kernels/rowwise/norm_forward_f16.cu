@@ -1,0 +1,5 @@
+#include "kernels/rowwise/norm_forward.cuh"
+
+namespace mti {
+MTI_INSTANTIATE_NORMS(__half)
+}  // namespace mti
