@@ -213,10 +213,10 @@ NORM_WIDTHS = tuple(n for n in PATH_WIDTHS + ODD_WIDTHS if n >= 8) + (70000,)
 @example(lead=(), n=8, seed=86, weight=False, bias=False, rms=False)
 # An fp32 row whose pivot x[0] = -2.96 is 3.29 from its mean (0.33): a mean kept relative
 # to the pivot rounds at ulp(3.29), and y and the weight gradient taken from it fail. The
-# sum of x - pivot must be carried exactly as hi + lo (norm.cu's PivotSums).
+# sum of x - pivot must be carried exactly as hi + lo (rowwise/norm_forward.cuh's PivotSums).
 @example(lead=(), n=62, seed=763, weight=True, bias=False, rms=False)
 # An 8-wide fp32 RMSNorm row whose weight gradient, taken from y, fails when
-# y = x * rstd * weight is rounded twice: sm_90+ round it once (norm.cu's
+# y = x * rstd * weight is rounded twice: sm_90+ round it once (rowwise/norm_forward.cuh's
 # RmsNormOp::output; builds for older GPUs keep the two roundings).
 @example(lead=(), n=8, seed=2353, weight=True, bias=False, rms=True)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
@@ -285,7 +285,7 @@ def test_norm_weight_zero_gives_finite_gradients():
 # norms) are held by a cluster of CTAs on sm_90 and streamed elsewhere. Softmax's register
 # rows first take a CTA of up to 512 threads (16384 fp32 / 32768 16-bit elements), as do the
 # 16-bit norms' rows of up to 8192, and softmax's register clusters CTAs of 512 where those
-# of 256 would number enough (kernels/rowwise_backward.cu, kLargeCtaThreads); the norms, and
+# of 256 would number enough (kernels/rowwise/tuning.h, kLargeCtaThreads); the norms, and
 # 16-bit log_softmax but on those clusters of large CTAs without a mask tensor (131072),
 # stage a CTA's share in shared memory (8192 elements for log_softmax, 4096 for the norms).
 # Shared-path rows that clusters of 16 such CTAs do not hold take clusters of CTAs of 512

@@ -1,6 +1,6 @@
 // mbarriers (sm_90+): 8-byte shared-memory barriers that count thread arrivals and, for
 // asynchronous copies (st.async, the TMA), bytes; addressed by their shared-memory address
-// (smem_u32). Shared by the cluster reduction (kernels/reduce.cuh) and the warpgroup matmul
+// (smem_u32). Shared by the cluster reduction (kernels/rowwise/reduce.cuh) and the warpgroup matmul
 // kernels (kernels/square_matmul/). Below sm_90 the helpers are empty and never called.
 #pragma once
 
@@ -8,7 +8,7 @@
 
 namespace mti {
 
-// Device code for sm_90+, which has mbarriers and thread-block clusters (kernels/reduce.cuh's
+// Device code for sm_90+, which has mbarriers and thread-block clusters (kernels/rowwise/reduce.cuh's
 // cluster code uses it too).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define MTI_MBARRIER 1

@@ -2,7 +2,7 @@
 or to a slower but still correct path, where this torch lacks it.
 
 Nothing else in the package imports a private torch name. Each private name is resolved once,
-at import, to None where it is missing (tests/test_convert.py sets each to None in turn).
+at import, to None where it is missing (tests/test_convert_compat.py sets each to None in turn).
 """
 
 from __future__ import annotations
