@@ -30,3 +30,20 @@ def test_override_is_scoped():
     _C._set_tuning_override("no_such_parameter", None)  # removing an absent one is allowed
     with pytest.raises(TypeError):
         _C._set_tuning_override("no_such_parameter", "three")
+
+
+def test_proposed_rows_merge_lengths_and_keep_the_table_within_the_margin():
+    from make_torch_inplace.tune.__main__ import TABLE, proposed_rows
+
+    timings = [
+        (2, 1024, {TABLE: 10.0, 1: 10.0, 2: 12.0}),  # the table is best
+        (2, 2048, {TABLE: 10.0, 1: 9.9, 2: 12.0}),  # 1% better: within the margin
+        (2, 4096, {TABLE: 10.0, 1: 11.0, 2: 8.0}),  # fp16: 2 wins by 25%
+        (2, 4096, {TABLE: 10.0, 1: 9.0, 2: 10.5}),  # bf16, same key: summed, 2 still wins
+        (2, 8192, {TABLE: 10.0, 1: 11.0, 2: 9.0}),  # 2 wins again: one row for 4096-8192
+        (4, 8192, {TABLE: 10.0, 1: 5.0, 2: 9.0}),  # another element size: its own row
+    ]
+    rows = proposed_rows(timings, margin=0.02)
+    assert [r[:4] for r in rows] == [(2, 4096, 8192, 2), (4, 8192, 8192, 1)]
+    assert rows[0][4] == pytest.approx(20.0 / 18.5)  # the smaller gain: 4096 summed, not 8192
+    assert rows[1][4] == pytest.approx(2.0)

@@ -1,20 +1,28 @@
 """python -m make_torch_inplace.tune: time every candidate of every tuned parameter on this
-GPU (median of triton.testing.do_bench, candidates alternated within each case) and print
-the rows that the parameter's table (csrc/kernels/<family>/tuning.h) would get for it."""
+GPU, next to the value the table picks today, and print the rows that the parameter's table
+(csrc/kernels/<family>/tuning.h) should get: one per run of row lengths where a candidate
+beats the table's choice by more than the margin (2% by default).
+
+Each case is timed with triton.testing.do_bench (median), the candidates alternated within
+each round. The tables are keyed by element size, not dtype, so cases of one element size
+and row length (fp16 and bf16) are judged by their summed time."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 import torch
 
-from . import Parameter, override, parameters
+from . import override, parameters
+
+TABLE = None  # the "candidate" that leaves the choice to the table
 
 
-def _time(fn, candidates: list[int], name: str, rounds: int) -> dict[int, float]:
+def _time(fn, candidates: list, name: str, rounds: int) -> dict:
     from triton.testing import do_bench
 
-    times: dict[int, list[float]] = {c: [] for c in candidates}
+    times: dict = {c: [] for c in candidates}
     for r in range(rounds):
         # Each round starts one candidate later, so drifting clocks weigh on all alike.
         order = candidates[r % len(candidates) :] + candidates[: r % len(candidates)]
@@ -24,18 +32,31 @@ def _time(fn, candidates: list[int], name: str, rounds: int) -> dict[int, float]
     return {c: sorted(t)[len(t) // 2] for c, t in times.items()}
 
 
-def _rows(p: Parameter, best: list[tuple[int, int, int, str]], gpu: str, cc: int) -> list[str]:
-    """Merges consecutive cases (same element size, increasing n) with the same winner."""
+def proposed_rows(
+    timings: Sequence[tuple[int, int, dict]], margin: float
+) -> list[tuple[int, int, int, int, float]]:
+    """From (elem_bytes, n, {candidate or TABLE: ms}) per case, the rows to add:
+    (elem_bytes, n_min, n_max, value, gain), where gain is the table's time over the value's.
+    Cases of one (elem_bytes, n) are summed; a length keeps the table's choice unless a
+    candidate is faster by more than `margin`; neighbouring lengths with the same proposal
+    make one row."""
+    summed: dict[tuple[int, int], dict] = {}
+    for elem, n, t in timings:
+        acc = summed.setdefault((elem, n), {})
+        for c, ms in t.items():
+            acc[c] = acc.get(c, 0.0) + ms
+    best = []
+    for (elem, n), t in sorted(summed.items()):
+        value = min((c for c in t if c is not TABLE), key=t.get)
+        gain = t[TABLE] / t[value]
+        best.append((elem, n, value if gain > 1 + margin else TABLE, gain))
     rows, start = [], 0
     for i in range(1, len(best) + 1):
         if i == len(best) or best[i][0] != best[start][0] or best[i][2] != best[start][2]:
             elem, n_min, value, _ = best[start]
-            n_max = best[i - 1][1]
-            rows.append(
-                f"    {{When{{.cc_min = {cc}, .cc_max = {cc}, .elem_bytes = {elem}, "
-                f".n_min = {n_min}, .n_max = {n_max}}}, {value}, "
-                f'"fastest on {gpu} for n {n_min}-{n_max}"}},'
-            )
+            if value is not TABLE:
+                gain = min(b[3] for b in best[start:i])
+                rows.append((elem, n_min, best[i - 1][1], value, gain))
             start = i
     return rows
 
@@ -45,28 +66,37 @@ def main() -> None:
     ap.add_argument("--family", help="only this kernel family's parameters")
     ap.add_argument("--param", action="append", help="only these parameters (repeatable)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per case")
+    ap.add_argument("--margin", type=float, default=0.02, help="least gain that makes a row")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("the tuning command needs a CUDA GPU")
     major, minor = torch.cuda.get_device_capability()
-    gpu = torch.cuda.get_device_name()
+    cc, gpu = 10 * major + minor, torch.cuda.get_device_name()
     for p in parameters(args.family):
         if args.param and p.name not in args.param:
             continue
+        candidates = [TABLE, *p.candidates]
         print(f"\n# {p.family}: {p.name} (candidates {list(p.candidates)})")
-        best = []
+        timings = []
         for case in p.cases("cuda"):
             fn = case.make()
-            t = _time(fn, list(p.candidates), p.name, args.rounds)
-            winner = min(t, key=t.get)
-            cells = "  ".join(f"{c}: {t[c] * 1e3:8.1f} us" for c in p.candidates)
-            print(f"{case.label:>28}  {cells}  -> {winner}")
-            best.append((case.elem_bytes, case.n, winner, case.label))
+            t = _time(fn, candidates, p.name, args.rounds)
+            cells = "  ".join(
+                f"{'table' if c is TABLE else c}: {t[c] * 1e3:8.1f} us" for c in candidates
+            )
+            print(f"{case.label:>32}  {cells}")
+            timings.append((case.elem_bytes, case.n, t))
             del fn
             torch.cuda.empty_cache()
-        best.sort()
-        print("rows:")
-        print("\n".join(_rows(p, best, gpu, 10 * major + minor)))
+        rows = proposed_rows(timings, args.margin)
+        if not rows:
+            print(f"rows: none (the table's choice is within {args.margin:.0%} of the best)")
+        for elem, n_min, n_max, value, gain in rows:
+            print(
+                f"    {{When{{.cc_min = {cc}, .cc_max = {cc}, .elem_bytes = {elem}, "
+                f".n_min = {n_min}, .n_max = {n_max}}}, {value}, "
+                f'"{gain - 1:.0%} faster than the table on {gpu}"}},'
+            )
 
 
 if __name__ == "__main__":
