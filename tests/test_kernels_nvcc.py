@@ -1,9 +1,17 @@
 """Every torch-free kernel file (csrc/kernels/*.cu) compiles with nvcc for every target
 architecture, with the flags setup.py gives nvcc, and ptxas reports no register spills; the
 host side of the CUDA ops (csrc/cuda/*.cu) compiles against the installed torch's headers.
-Needs nvcc only (no GPU, no CUDA build of torch); skipped without it."""
+Needs nvcc only (no GPU, no CUDA build of torch); skipped without it.
+
+nvcc's results are kept by content, as ccache keeps objects: the key hashes nvcc's version, the
+command line and every file under csrc/ and tests/cuda_stubs/ (all that the sources include
+besides the toolkit's and torch's own headers, which nvcc's and torch's versions pin). Any
+change to them compiles anew. MTI_NVCC_CACHE=0 turns the cache off; MTI_NVCC_CACHE=<dir> moves
+it (default ~/.cache/make_torch_inplace/nvcc)."""
 
 import functools
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -27,6 +35,51 @@ NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
 GENCODES = [f"arch=compute_{a},code=sm_{a}" for a in ("75", "80", "86", "89", "90a")] + [
     "arch=compute_90,code=compute_90"
 ]
+
+_CACHE_SETTING = os.environ.get("MTI_NVCC_CACHE", "")
+CACHE = (
+    None
+    if _CACHE_SETTING == "0"
+    else Path(_CACHE_SETTING or Path.home() / ".cache" / "make_torch_inplace" / "nvcc")
+)
+
+
+@functools.cache
+def _inputs_digest() -> str:
+    """nvcc's and torch's versions and every file the sources may include from this tree."""
+    h = hashlib.sha256()
+    version = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
+    h.update(version.encode())
+    try:
+        import torch
+
+        h.update(torch.__version__.encode())
+    except ImportError:
+        pass
+    for path in sorted([*(ROOT / "csrc").rglob("*"), *(ROOT / "tests" / "cuda_stubs").rglob("*")]):
+        if path.is_file():
+            h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def run_nvcc(cmd: list[str], out: Path) -> subprocess.CompletedProcess:
+    """Runs nvcc's command line `cmd` (which writes `out`), or returns its cached result."""
+    # Neither the output's temporary path nor where the checkout lies changes the result.
+    key_args = [a.replace(str(ROOT), "<root>") for a in cmd if a != str(out)]
+    key = hashlib.sha256(json.dumps([_inputs_digest(), key_args]).encode()).hexdigest()
+    cached = CACHE / f"{key}.json" if CACHE is not None else None
+    if cached is not None and cached.exists():
+        r = json.loads(cached.read_text())
+        return subprocess.CompletedProcess(cmd, r["returncode"], r["stdout"], r["stderr"])
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if result.returncode == 0 and out.stat().st_size == 0:
+        result.returncode, result.stderr = 1, result.stderr + "\nempty object file"
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        record = {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
+        cached.write_text(json.dumps(record))
+    return result
+
 
 pytestmark = pytest.mark.skipif(
     NVCC is None or not Path(NVCC).exists(), reason="nvcc not found (PATH, CUDA_HOME)"
@@ -52,10 +105,7 @@ def nvcc(source: Path) -> subprocess.CompletedProcess:
             cmd += ["-gencode", g]
         out = Path(tmp) / (source.stem + ".o")
         cmd += ["-c", str(source), "-o", str(out)]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-        if result.returncode == 0 and out.stat().st_size == 0:
-            result.returncode, result.stderr = 1, result.stderr + "\nempty object file"
-        return result
+        return run_nvcc(cmd, out)
 
 
 # ptxas -v prints, per kernel and architecture: "Compiling entry function '<name>' for
@@ -112,6 +162,7 @@ def test_cuda_host_code_compiles(source):
     cpp_extension = pytest.importorskip("torch.utils.cpp_extension")
     includes = [ROOT / "csrc", *cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / (source.stem + ".o")
         cmd = [
             NVCC,
             *NVCC_FLAGS,
@@ -128,9 +179,9 @@ def test_cuda_host_code_compiles(source):
             "-c",
             str(source),
             "-o",
-            str(Path(tmp) / (source.stem + ".o")),
+            str(out),
         ]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        result = run_nvcc(cmd, out)
     errors = [line for line in result.stderr.splitlines() if "error" in line][:20]
     assert result.returncode == 0, f"nvcc failed on {source.name}:\n" + "\n".join(
         errors or [result.stderr[-8000:]]
