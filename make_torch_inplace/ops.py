@@ -118,10 +118,15 @@ def square_matmul_(
 
 
 def linear_(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    workspace_bytes: int | None = None,
 ) -> torch.Tensor:
-    """x <- F.linear(x, weight, bias) for a square weight (nn.Linear's (out, in) layout)."""
-    return square_matmul_(x, weight, bias, transpose=True)
+    """x <- F.linear(x, weight, bias) for a square weight (nn.Linear's (out, in) layout);
+    workspace_bytes as for square_matmul_."""
+    return square_matmul_(x, weight, bias, transpose=True, workspace_bytes=workspace_bytes)
 
 
 class _SquareMatmul(torch.autograd.Function):

@@ -646,3 +646,24 @@ def test_workspace_out_of_memory_falls_back(rows, k, transpose, dtype):
         return x
 
     check_op(op, ref_square_matmul, x, weight, bias, transpose=transpose)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nbytes", [0, 8 * 64 * 4, None])
+def test_linear_takes_workspace_bytes(device, nbytes):
+    """linear_ passes workspace_bytes on as square_matmul_ does (0: the kernels that need no
+    memory; a few rows' worth: chunks), with F.linear's result either way."""
+    x = randn((40, 64), torch.float32, device, seed=60)
+    weight = randn((64, 64), torch.float32, device, seed=61, scale=0.125)
+    bias = randn((64,), torch.float32, device, seed=62)
+    check_op(
+        lambda x, w, b: mti.linear_(x, w, b, workspace_bytes=nbytes), ref_linear, x, weight, bias
+    )
+
+
+def test_linear_refuses_a_negative_workspace():
+    x = torch.randn(4, 8)
+    before = x.clone()
+    with pytest.raises(ValueError, match="workspace"):
+        mti.linear_(x, torch.randn(8, 8), workspace_bytes=-1)
+    assert torch.equal(x, before)
