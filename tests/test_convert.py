@@ -680,7 +680,42 @@ def test_rejects_non_modules():
         mti.convert(lambda x: x)
 
 
+class TaggedBlock(PreNormBlock):
+    def describe(self):
+        return f"{self.tag}: {type(self).__name__}"
+
+
+def test_forwards_the_models_attributes():
+    """Attributes that are not parameters, buffers or submodules are the model's: a plain
+    attribute, a method of the model's own class, and a missing one raising as on the model."""
+    model = make_block(TaggedBlock, "cpu")
+    model.tag = "block"
+    converted = mti.convert(model)
+    assert converted.tag == "block"
+    assert converted.describe() == "block: TaggedBlock"
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        converted.no_such_attribute  # noqa: B018
+
+
 # --------------------------------------------------------------------------- transformers
+
+
+def test_generate_and_config_of_a_converted_causal_lm():
+    """A converted Hugging Face model keeps the model's config and generate(), which gives
+    the model's tokens."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=D, n_head=HEADS, vocab_size=128, attn_implementation="eager"
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    converted = mti.convert(model)
+    assert converted.config is model.config
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(converted.generate(ids, **kwargs), model.generate(ids, **kwargs))
 
 
 def _hf_model(kind, attn):

@@ -51,6 +51,17 @@ class ConvertedModule(nn.Module):
         # call (see forward).
         self._compiled_call = torch.compile(module.__call__, backend=self._backend)
 
+    def __getattr__(self, name: str):
+        # Parameters, buffers and submodules (the model itself, as `module`) are nn.Module's;
+        # any other attribute is the model's, as torch.compile's wrapper forwards them: config,
+        # generate, save_pretrained. The model's own methods run its original forward.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
     @property
     def sites(self) -> list[Site]:
         """Every site rewritten so far, over all captured graphs and recompilations."""
