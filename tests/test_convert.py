@@ -238,11 +238,28 @@ def test_guard_failure_on_known_layouts_is_computed_right_and_recaptured(monkeyp
     inputs = block_inputs("cpu")
     assert check_call(converted, model, *inputs) == 1
     model.out_scale = 2.0
-    assert check_call(converted, model, *inputs) == 0  # Dynamo ran the original code
+    with pytest.warns(RuntimeWarning, match="ran unconverted.*guards rejected"):
+        assert check_call(converted, model, *inputs) == 0  # Dynamo ran the original code
     assert len(calls) == 1
     for _ in range(2):
         assert check_call(converted, model, *inputs) == 1
     assert len(calls) == 3
+
+
+def test_a_call_past_the_recompile_limit_warns(monkeypatch):
+    """Past Dynamo's recompile limit the original forward runs: correct, and said."""
+    runtime = importlib.import_module("make_torch_inplace.convert.runtime")
+    monkeypatch.setitem(runtime._CAPTURE_CONFIG, "recompile_limit", 1)
+    # Dynamo skips a code object for good once past its limit: start and end afresh.
+    torch._dynamo.reset()
+    try:
+        model = make_block(PreNormBlock, "cpu")
+        converted = mti.convert(model)
+        assert check_call(converted, model, *block_inputs("cpu", t=8)) == 1
+        with pytest.warns(RuntimeWarning, match="ran unconverted.*recompile limit"):
+            assert check_call(converted, model, *block_inputs("cpu", t=9)) == 0
+    finally:
+        torch._dynamo.reset()
 
 
 def test_grad_modes_and_inference_tensors_take_turns():

@@ -3,6 +3,7 @@ with the rewriting backend, and running known layouts' captured code at the leas
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -84,6 +85,8 @@ class ConvertedModule(nn.Module):
             with _compat.dynamo_config(_CAPTURE_CONFIG):
                 out = self._compiled_call(*args, **kwargs)
             self._captured[signature] = self._backend.graph_calls - ran
+            if self._captured[signature] == 0:
+                _warn_unconverted(_NOT_CAPTURED)
             return out
         if graphs == _THROUGH_COMPILE or torch.compiler.is_compiling():
             return self._compiled_call(*args, **kwargs)
@@ -100,11 +103,28 @@ class ConvertedModule(nn.Module):
         out = _compat.run_cached(self.module, args, kwargs, self._compiled_call)
         if self._backend.graph_calls - ran != graphs:
             self._captured[signature] = _THROUGH_COMPILE
+            if self._backend.graph_calls == ran:
+                _warn_unconverted(_GUARDS_FAILED)
         return out
 
 
 # ConvertedModule._captured's mark of a signature whose cached run missed its graphs.
 _THROUGH_COMPILE = -1
+
+# Why a call ran the model's original forward, which computes the same result without the
+# saving (its peak is the unconverted model's). warnings shows each once per place.
+_NOT_CAPTURED = (
+    "ran none of its converted graphs: torch.compile returned the original forward for this "
+    "input (past the recompile limit, or the forward could not be captured)"
+)
+_GUARDS_FAILED = (
+    "ran none of its converted graphs: their guards rejected the call (a module attribute, "
+    "autocast or another global changed since the capture); the next call captures anew"
+)
+
+
+def _warn_unconverted(cause: str) -> None:
+    warnings.warn(f"mti.convert: a call ran unconverted: it {cause}", RuntimeWarning, stacklevel=3)
 
 
 class _Backend:
