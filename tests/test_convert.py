@@ -9,104 +9,25 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from convert_helpers import (
+    HEADS,
+    D,
+    PostNormBlock,
+    PreNormBlock,
+    block_inputs,
+    check_call,
+    check_converted,
+    make_block,
+    ops_of,
+)
 from helpers import (
     DEVICES,
     assert_accurate,
     randn,
 )
 from torch import nn
-from torch.utils import _pytree as pytree
 
 import make_torch_inplace as mti
-
-D, HEADS = 64, 4
-
-
-class PreNormBlock(nn.Module):
-    """x + attn(norm1(x)), then x + mlp(norm2(x)): x is read after each norm, so the norms
-    must stay out of place; the attention scores and the projections are dead temporaries."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
-        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
-
-    def forward(self, x, mask):
-        b, t, _ = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, t, 3, HEADS, D // HEADS)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        scores = (q @ k.transpose(-1, -2)) * (D // HEADS) ** -0.5 + mask
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        x = x + self.proj((probs @ v).transpose(1, 2).reshape(b, t, D))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
-class PostNormBlock(nn.Module):
-    """norm(x + f(x)) with module and method forms: the norm's input is dead."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(D, D) / D**0.5)
-        self.lin = nn.Linear(D, D)
-        self.ln = nn.LayerNorm(D)
-        self.rms = nn.RMSNorm(D)
-        self.softmax = nn.Softmax(dim=-1)
-
-    def forward(self, x):
-        h = self.ln(x + self.lin(x))
-        h = self.rms(h @ self.w)
-        h = torch.addmm(self.lin.bias, h.view(-1, D), self.w).view_as(x)
-        return self.softmax(h).log_softmax(-1)
-
-
-def make_block(cls, device, dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    return cls().to(device=device, dtype=dtype).eval()
-
-
-def block_inputs(device, dtype=torch.float32, b=2, t=8):
-    x = randn((b, t, D), dtype, device, seed=1)
-    mask = randn((b, 1, t, t), dtype, device, seed=2)
-    return x, mask
-
-
-def check_call(converted, model, *inputs, mode=torch.no_grad):
-    """One call of the converted module under `mode`, checked against the model and its fp64
-    copy, run first (the converted call may overwrite its temporaries, never its inputs).
-    Returns how many of the converted module's graphs the call ran."""
-    as64 = [x.double() if x.is_floating_point() else x for x in inputs]
-    with mode():
-        ref64 = copy.deepcopy(model).double()(*as64)
-        expected = model(*inputs)
-        ran = converted._backend.graph_calls
-        out = converted(*inputs)
-    for o, e, r in zip(*map(pytree.tree_leaves, (out, expected, ref64)), strict=True):
-        assert_accurate(o, e, r)
-    return converted._backend.graph_calls - ran
-
-
-def check_converted(model, *inputs, mode=torch.no_grad):
-    """Converts the model and calls it twice under `mode` (capture, then the captured code),
-    each call checked by check_call, the second running as many graphs as the first; checks
-    that the inputs and parameters are untouched. Returns the converted module."""
-    params = {k: v.clone() for k, v in model.state_dict().items()}
-    before = [x.clone() for x in inputs]
-    converted = mti.convert(model)
-    captured_graphs = check_call(converted, model, *inputs, mode=mode)
-    assert check_call(converted, model, *inputs, mode=mode) == captured_graphs, (
-        "the second call's graphs"
-    )
-    for x, b in zip(inputs, before, strict=True):
-        assert torch.equal(x, b), "an input was written"
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, params[k]), f"parameter {k} was written"
-    return converted
-
-
-def ops_of(converted):
-    return [s.op for s in converted.sites]
-
 
 # --------------------------------------------------------------------------- hand-written blocks
 
@@ -712,132 +633,3 @@ def test_forwards_the_models_attributes():
     assert converted.describe() == "block: TaggedBlock"
     with pytest.raises(AttributeError, match="no_such_attribute"):
         converted.no_such_attribute  # noqa: B018
-
-
-# --------------------------------------------------------------------------- transformers
-
-
-def test_generate_and_config_of_a_converted_causal_lm():
-    """A converted Hugging Face model keeps the model's config and generate(), which gives
-    the model's tokens."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=D, n_head=HEADS, vocab_size=128, attn_implementation="eager"
-    )
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
-    converted = mti.convert(model)
-    assert converted.config is model.config
-    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        assert torch.equal(converted.generate(ids, **kwargs), model.generate(ids, **kwargs))
-
-
-def _hf_model(kind, attn):
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    common = dict(vocab_size=128, attn_implementation=attn)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=D, n_head=HEADS, **common)
-        cls = transformers.GPT2Model
-    elif kind == "bert":
-        config = transformers.BertConfig(
-            num_hidden_layers=2,
-            hidden_size=D,
-            intermediate_size=4 * D,
-            num_attention_heads=HEADS,
-            **common,
-        )
-        cls = transformers.BertModel
-    else:
-        config = transformers.LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=D,
-            intermediate_size=3 * D,
-            num_attention_heads=HEADS,
-            num_key_value_heads=HEADS // 2,
-            **common,
-        )
-        cls = transformers.LlamaModel
-    torch.manual_seed(0)
-    return cls(config).eval(), config
-
-
-class _LastHiddenState(nn.Module):
-    """A transformers model seen as a function of (input_ids, attention_mask) -> tensor."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("limit", [None, 0])
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
-def test_transformers(kind, attn, limit, device):
-    """With the workspace limit 0, eager attention runs one head's scores at a time."""
-    model, config = _hf_model(kind, attn)
-    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(2, 24, dtype=torch.long)
-    mask[1, 19:] = 0  # padding: the eager attention adds a mask
-    with contextlib.nullcontext() if limit is None else mti.workspace_limit(limit):
-        converted = check_converted(
-            _LastHiddenState(model).to(device), ids.to(device), mask.to(device)
-        )
-    sites = converted.sites
-    layers = config.num_hidden_layers
-    softmaxes = [s for s in sites if s.op == "softmax_"]
-    assert len(softmaxes) == (layers if attn == "eager" else 0)
-    assert all(s.pattern.startswith("mul -> add -> softmax") for s in softmaxes)
-    norms = [s for s in sites if s.op == "layer_norm_"]
-    if kind == "gpt2":  # pre-norm: only the final norm's input is dead
-        assert [s.where.split()[0] for s in norms] == ["model.ln_f"]
-    if kind == "bert":  # post-norm: the embeddings' norm and two per layer
-        assert len(norms) == 1 + 2 * layers
-    assert len([s for s in sites if s.op in ("linear_", "square_matmul_")]) == layers
-    pieces = [s for s in sites if s.op == "attention_in_pieces"]
-    assert len(pieces) == (layers if attn == "eager" else 0)
-    assert "matmul_over_left" not in ops_of(converted)
-
-
-class _InputIdsOnly(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).last_hidden_state
-
-
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
-def test_transformers_without_padding_mask(kind, attn, monkeypatch):
-    """Without attention_mask, eager mode passes SDPA no mask (or is_causal) and eager
-    attention at most a causal one; under torch.compile transformers may build the mask from
-    sizes anyway. No mask tensor reaches SDPA or softmax_ in the converted graphs."""
-    rewrite_module = importlib.import_module("make_torch_inplace.convert.rewrite")
-    graphs = []
-    rewrite = rewrite_module._rewrite_graph
-
-    def recording(gm, report=None):
-        sites = rewrite(gm, report)
-        graphs.append(gm.graph)
-        return sites
-
-    monkeypatch.setattr(rewrite_module, "_rewrite_graph", recording)
-    model, _ = _hf_model(kind, attn)
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
-    check_converted(_InputIdsOnly(model), ids)
-    nodes = [n for g in graphs for n in g.nodes]
-    assert not [
-        n
-        for n in nodes
-        if n.target is F.scaled_dot_product_attention and n.kwargs.get("attn_mask") is not None
-    ]
-    assert not [n for n in nodes if n.target is mti.softmax_ and "mask" in n.kwargs]
