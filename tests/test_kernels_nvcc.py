@@ -77,7 +77,10 @@ def run_nvcc(cmd: list[str], out: Path) -> subprocess.CompletedProcess:
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         record = {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
-        cached.write_text(json.dumps(record))
+        # Written whole, then renamed: parallel test workers may compile the same file.
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(record))
+        partial.replace(cached)
     return result
 
 

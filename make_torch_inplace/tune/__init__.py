@@ -33,16 +33,16 @@ class Case:
 
 @dataclass(frozen=True)
 class Parameter:
-    """A tuned parameter: its name in the C++ table, the candidates it may take and the
-    calls it is measured on (``cases(device)`` builds them; ``check`` runs one call of a case
-    against a reference and raises if it is wrong, for the tests)."""
+    """A tuned parameter: its name in the C++ table, the candidates it may take, the calls it
+    is measured on (``cases(device)`` builds them), ``check``, which runs one call of a case
+    against a reference and raises if it is wrong (for the tests), and what it decides."""
 
     name: str
     family: str
     candidates: Sequence[int]
     cases: Callable[[str], Sequence[Case]]
-    check: Callable[[Case], None] | None = None
-    doc: str = field(default="", compare=False)
+    check: Callable[[Case], None]
+    doc: str = field(compare=False)
 
 
 @contextlib.contextmanager

@@ -76,7 +76,7 @@ def main() -> None:
         if args.param and p.name not in args.param:
             continue
         candidates = [TABLE, *p.candidates]
-        print(f"\n# {p.family}: {p.name} (candidates {list(p.candidates)})")
+        print(f"\n# {p.family}: {p.name}: {p.doc} (candidates {list(p.candidates)})")
         timings = []
         for case in p.cases("cuda"):
             fn = case.make()
