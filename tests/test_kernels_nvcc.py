@@ -3,11 +3,12 @@ architecture, with the flags setup.py gives nvcc, and ptxas reports no register 
 host side of the CUDA ops (csrc/cuda/*.cu) compiles against the installed torch's headers.
 Needs nvcc only (no GPU, no CUDA build of torch); skipped without it.
 
-nvcc's results are kept by content, as ccache keeps objects: the key hashes nvcc's version, the
-command line and every file under csrc/ and tests/cuda_stubs/ (all that the sources include
-besides the toolkit's and torch's own headers, which nvcc's and torch's versions pin). Any
-change to them compiles anew. MTI_NVCC_CACHE=0 turns the cache off; MTI_NVCC_CACHE=<dir> moves
-it (default ~/.cache/make_torch_inplace/nvcc)."""
+nvcc's results are kept by content, as ccache keeps objects: the key hashes nvcc's version,
+torch's, the command line, the source and every file of this tree it includes, directly or
+through other headers (tests/cuda_stubs/ whole; the toolkit's and torch's own headers are pinned
+by the two versions). A change compiles anew exactly the sources that include what changed.
+MTI_NVCC_CACHE=0 turns the cache off; MTI_NVCC_CACHE=<dir> moves it (default
+~/.cache/make_torch_inplace/nvcc)."""
 
 import functools
 import hashlib
@@ -45,28 +46,53 @@ CACHE = (
 
 
 @functools.cache
-def _inputs_digest() -> str:
-    """nvcc's and torch's versions and every file the sources may include from this tree."""
+def _versions_digest() -> bytes:
+    """nvcc's and torch's versions and tests/cuda_stubs/ (which stands in for headers)."""
     h = hashlib.sha256()
-    version = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
-    h.update(version.encode())
+    h.update(subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout.encode())
     try:
         import torch
 
         h.update(torch.__version__.encode())
     except ImportError:
         pass
-    for path in sorted([*(ROOT / "csrc").rglob("*"), *(ROOT / "tests" / "cuda_stubs").rglob("*")]):
+    for path in sorted((ROOT / "tests" / "cuda_stubs").rglob("*")):
         if path.is_file():
             h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.digest()
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
+
+
+def _included_files(source: Path) -> list[Path]:
+    """source and every file under csrc/ it includes, transitively. Every #include line counts,
+    also those a condition excludes: the set can only be too large, never miss a file."""
+    found, todo = {source}, [source]
+    while todo:
+        current = todo.pop()
+        for name in _INCLUDE.findall(current.read_text()):
+            for base in (current.parent, ROOT / "csrc"):
+                path = (base / name).resolve()
+                if path.is_file() and path not in found:
+                    found.add(path)
+                    todo.append(path)
+    return sorted(found)
+
+
+def _inputs_digest(source: Path) -> str:
+    h = hashlib.sha256(_versions_digest())
+    for path in _included_files(source):
+        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
 
-def run_nvcc(cmd: list[str], out: Path) -> subprocess.CompletedProcess:
-    """Runs nvcc's command line `cmd` (which writes `out`), or returns its cached result."""
+def run_nvcc(cmd: list[str], source: Path, out: Path) -> subprocess.CompletedProcess:
+    """Runs nvcc's command line `cmd` (which compiles `source` into `out`), or returns its
+    cached result."""
     # Neither the output's temporary path nor where the checkout lies changes the result.
     key_args = [a.replace(str(ROOT), "<root>") for a in cmd if a != str(out)]
-    key = hashlib.sha256(json.dumps([_inputs_digest(), key_args]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([_inputs_digest(source), key_args]).encode()).hexdigest()
     cached = CACHE / f"{key}.json" if CACHE is not None else None
     if cached is not None and cached.exists():
         r = json.loads(cached.read_text())
@@ -108,7 +134,7 @@ def nvcc(source: Path) -> subprocess.CompletedProcess:
             cmd += ["-gencode", g]
         out = Path(tmp) / (source.stem + ".o")
         cmd += ["-c", str(source), "-o", str(out)]
-        return run_nvcc(cmd, out)
+        return run_nvcc(cmd, source, out)
 
 
 # ptxas -v prints, per kernel and architecture: "Compiling entry function '<name>' for
@@ -184,7 +210,7 @@ def test_cuda_host_code_compiles(source):
             "-o",
             str(out),
         ]
-        result = run_nvcc(cmd, out)
+        result = run_nvcc(cmd, source, out)
     errors = [line for line in result.stderr.splitlines() if "error" in line][:20]
     assert result.returncode == 0, f"nvcc failed on {source.name}:\n" + "\n".join(
         errors or [result.stderr[-8000:]]
