@@ -8,7 +8,8 @@ that needs no workspace).
     python benchmarks/memory_demo.py                 # CUDA if present, else CPU
     python benchmarks/memory_demo.py --device cpu --shape 2048 1024 --dtype float32
 
-Writes benchmarks/results/<gpu or cpu>/memory_demo.json and .md.
+Prints its table; with --save it also writes memory_demo.json and .md to
+benchmarks/results/<gpu or cpu>/ (or $MTI_RESULTS_DIR).
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--shape", type=int, nargs=2, metavar=("ROWS", "K"))
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--save", action="store_true", help="write the results' files too")
     args = parser.parse_args(argv)
 
     device = best_device() if args.device == "auto" else torch.device(args.device)
@@ -185,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     device_name = env_info()["device"]
     print(f"{device_name}: peak memory above x and the weights, x {tuple(shape)} {dtype}\n")
     print(md)
-    json_path, md_path = write_results("memory_demo", records, md)
-    print(f"wrote {json_path} and {md_path}")
+    if args.save:
+        json_path, md_path = write_results("memory_demo", records, md)
+        print(f"wrote {json_path} and {md_path}")
     return 0
 
 

@@ -115,7 +115,7 @@ fi
 QUICK_ARGS=()
 [[ "$QUICK" == 1 ]] && QUICK_ARGS=(--quick)
 
-bench() { # bench <script> [--quick-capable]
+bench() { # bench <script> [quick|save]: quick passes --quick when QUICK=1
   local script="benchmarks/$1.py"
   if [[ ! -f "$script" ]]; then
     note "$1" "not present, skipped"
@@ -123,6 +123,7 @@ bench() { # bench <script> [--quick-capable]
   fi
   local args=()
   [[ "${2:-}" == quick ]] && args=("${QUICK_ARGS[@]}")
+  [[ "${2:-}" == save ]] && args=(--save)
   if logged "$1" python "$script" "${args[@]}"; then
     note "$1" "ok"
   else
@@ -133,7 +134,7 @@ bench() { # bench <script> [--quick-capable]
 if [[ "$SKIP_BENCH" == 1 ]]; then
   note benchmarks "skipped (SKIP_BENCH=1)"
 else
-  bench memory_demo
+  bench memory_demo save
   bench bench_rowwise quick
   bench bench_square_matmul quick
   bench bench_e2e quick
