@@ -163,9 +163,10 @@ def softmax_(
 ) -> torch.Tensor:
     """x <- softmax(x * scale + mask) over dim, in place.
 
-    mask: bool (True = takes part, as in scaled_dot_product_attention) or float (added),
-    broadcastable to x. causal=True keeps element (i, j) of the last two dims only where
-    j <= i (dim must be -1). A row in which nothing takes part becomes all zeros.
+    mask: bool (True = takes part, as in scaled_dot_product_attention) or x's dtype (added),
+    broadcastable to x; any other dtype raises before x is written (convert it yourself).
+    causal=True keeps element (i, j) of the last two dims only where j <= i (dim must be -1).
+    A row in which nothing takes part becomes all zeros.
     """
     return _softmax("softmax_", x, dim, scale, mask, causal, log=False)
 
@@ -185,8 +186,6 @@ def log_softmax_(
 
 def _softmax(op, x, dim, scale, mask, causal, log):
     scale = 1.0 if scale is None else float(scale)
-    if mask is not None and mask.dtype != torch.bool and mask.is_floating_point():
-        mask = mask.to(x.dtype)  # an additive mask is read in x's dtype
     if _needs_autograd(x, mask):
         _check_overwritable(op, x)
         return _Softmax.apply(x, dim, scale, mask, causal, log)
@@ -231,13 +230,15 @@ class _Softmax(torch.autograd.Function):
 
 
 def _softmax_grad_z(ctx, y, grad, mask):
-    """The gradient w.r.t. the logits z = x * scale + mask, in float32, composed of PyTorch ops
-    (only an additive mask that requires grad needs it; softmax_backward computes grad_x)."""
-    y32, g32 = y.float(), grad.float()
+    """The gradient w.r.t. the logits z = x * scale + mask, in float32 (float64 for float64),
+    composed of PyTorch ops (only an additive mask that requires grad needs it;
+    softmax_backward computes grad_x)."""
+    acc = torch.promote_types(y.dtype, torch.float32)
+    ya, ga = y.to(acc), grad.to(acc)
     if ctx.log:
-        grad_z = g32 - y32.exp() * g32.sum(ctx.dim, keepdim=True)
+        grad_z = ga - ya.exp() * ga.sum(ctx.dim, keepdim=True)
     else:
-        grad_z = y32 * (g32 - (g32 * y32).sum(ctx.dim, keepdim=True))
+        grad_z = ya * (ga - (ga * ya).sum(ctx.dim, keepdim=True))
     active = _active_elements(y, mask, ctx.causal)
     if active is not None:
         # Masked elements (and whole masked rows, which are constant zeros) have no
@@ -295,6 +296,12 @@ def _no_rstd(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=x.device)
 
 
+def _rstd_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the rstd the norms save (csrc/common/plans.h: rstd_dtype): float64 for a
+    float64 x on CUDA, so that its gradients keep float64's accuracy; float32 otherwise."""
+    return torch.float64 if x.dtype == torch.float64 and x.device.type == "cuda" else torch.float32
+
+
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shape, weight, bias, eps, rms):
@@ -302,7 +309,7 @@ class _Norm(torch.autograd.Function):
         for s in shape:
             n *= s
         rows = x.numel() // n if n else 0
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(rows, dtype=_rstd_dtype(x), device=x.device)
         if rms:
             _ops.rms_norm_(x, shape, weight, eps, rstd)
         else:
@@ -346,7 +353,7 @@ class _Norm(torch.autograd.Function):
 # --------------------------------------------------------------------------- fake kernels
 # The ops return nothing and only write their Tensor(a!) arguments (x and rstd, or the
 # gradients), so their fake kernels have nothing to compute; they exist so FakeTensor and
-# torch.compile can trace the ops.
+# torch.compile can trace the ops, and they refuse a mask of another dtype as the ops do.
 
 
 @torch.library.register_fake("make_torch_inplace::square_matmul_")
@@ -354,8 +361,17 @@ def _square_matmul_fake(x, weight, bias, transpose, workspace_bytes):
     return None
 
 
+def _check_mask_dtype(op: str, x_name: str, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+    # The rule the C++ checks enforce, for fake tensors, which never reach them.
+    if mask is not None and mask.dtype not in (torch.bool, x.dtype):
+        raise RuntimeError(
+            f"{op}: mask must be bool or {x_name}'s dtype ({x.dtype}), got {mask.dtype}"
+        )
+
+
 @torch.library.register_fake("make_torch_inplace::softmax_")
 def _softmax_fake(x, dim, scale, mask, causal, log):
+    _check_mask_dtype("log_softmax_" if log else "softmax_", "x", x, mask)
     return None
 
 
@@ -371,6 +387,7 @@ def _rms_norm_fake(x, normalized_shape, weight, eps, rstd):
 
 @torch.library.register_fake("make_torch_inplace::softmax_backward")
 def _softmax_backward_fake(y, grad, dim, scale, mask, causal, log, grad_x):
+    _check_mask_dtype("softmax_backward", "y", y, mask)
     return None
 
 

@@ -1,6 +1,6 @@
-"""Autograd through the in-place ops: gradcheck in float64 (CPU, which accepts float64 for
-this), gradients in float32/float16/bfloat16 against PyTorch's own on an fp64 reference, and
-the safety rules: frozen matmul weights, version counters, leaves that require grad."""
+"""Autograd through the in-place ops: gradcheck in float64 (CPU and CUDA), gradients in
+float32/float16/bfloat16 against PyTorch's own on an fp64 reference, and the safety rules:
+frozen matmul weights, version counters, leaves that require grad."""
 
 import pytest
 import torch
@@ -53,87 +53,100 @@ def bool_mask(shape, seed, device="cpu"):
 # --------------------------------------------------------------------------- gradcheck (fp64)
 
 GRADCHECK_CASES = {
-    "softmax": lambda: (out_of_place(mti.softmax_), leaf((3, 7), 1)),
-    "softmax_dim0": lambda: (out_of_place(mti.softmax_, dim=0), leaf((4, 5), 2)),
-    "softmax_scale": lambda: (out_of_place(mti.softmax_, scale=0.37), leaf((3, 7), 3)),
-    "softmax_bool_mask": lambda: (
-        out_of_place(mti.softmax_, mask=bool_mask((2, 4, 6), 4)),
-        leaf((2, 4, 6), 5),
+    "softmax": lambda d: (out_of_place(mti.softmax_), leaf((3, 7), 1, device=d)),
+    "softmax_dim0": lambda d: (out_of_place(mti.softmax_, dim=0), leaf((4, 5), 2, device=d)),
+    "softmax_scale": lambda d: (out_of_place(mti.softmax_, scale=0.37), leaf((3, 7), 3, device=d)),
+    "softmax_bool_mask": lambda d: (
+        out_of_place(mti.softmax_, mask=bool_mask((2, 4, 6), 4, d)),
+        leaf((2, 4, 6), 5, device=d),
     ),
-    "softmax_additive_mask": lambda: (
+    "softmax_additive_mask": lambda d: (
         lambda x, m: out_of_place(mti.softmax_)(x, mask=m),
-        leaf((2, 4, 6), 6),
-        leaf((4, 6), 7),
+        leaf((2, 4, 6), 6, device=d),
+        leaf((4, 6), 7, device=d),
     ),
-    "softmax_causal": lambda: (out_of_place(mti.softmax_, causal=True), leaf((2, 5, 5), 8)),
-    "softmax_causal_q_lt_k": lambda: (
+    "softmax_causal": lambda d: (
+        out_of_place(mti.softmax_, causal=True),
+        leaf((2, 5, 5), 8, device=d),
+    ),
+    "softmax_causal_q_lt_k": lambda d: (
         out_of_place(mti.softmax_, causal=True, scale=2.0),
-        leaf((3, 6), 9),
+        leaf((3, 6), 9, device=d),
     ),
-    "softmax_causal_q_gt_k_masked": lambda: (
-        out_of_place(mti.softmax_, causal=True, mask=bool_mask((4,), 10)),
-        leaf((6, 4), 11),
+    "softmax_causal_q_gt_k_masked": lambda d: (
+        out_of_place(mti.softmax_, causal=True, mask=bool_mask((4,), 10, d)),
+        leaf((6, 4), 11, device=d),
     ),
-    "log_softmax": lambda: (out_of_place(mti.log_softmax_), leaf((3, 7), 12)),
-    "log_softmax_dim1": lambda: (out_of_place(mti.log_softmax_, dim=1), leaf((2, 5, 3), 13)),
-    "log_softmax_bool_mask": lambda: (
-        out_of_place(mti.log_softmax_, mask=bool_mask((3, 7), 14)),
-        leaf((3, 7), 15),
+    "log_softmax": lambda d: (out_of_place(mti.log_softmax_), leaf((3, 7), 12, device=d)),
+    "log_softmax_dim1": lambda d: (
+        out_of_place(mti.log_softmax_, dim=1),
+        leaf((2, 5, 3), 13, device=d),
     ),
-    "log_softmax_additive_mask": lambda: (
+    "log_softmax_bool_mask": lambda d: (
+        out_of_place(mti.log_softmax_, mask=bool_mask((3, 7), 14, d)),
+        leaf((3, 7), 15, device=d),
+    ),
+    "log_softmax_additive_mask": lambda d: (
         lambda x, m: out_of_place(mti.log_softmax_, scale=0.5)(x, mask=m),
-        leaf((3, 7), 16),
-        leaf((7,), 17),
+        leaf((3, 7), 16, device=d),
+        leaf((7,), 17, device=d),
     ),
-    "log_softmax_causal": lambda: (
+    "log_softmax_causal": lambda d: (
         out_of_place(mti.log_softmax_, causal=True),
-        leaf((2, 4, 6), 18),
+        leaf((2, 4, 6), 18, device=d),
     ),
-    "layer_norm": lambda: (out_of_place(mti.layer_norm_, normalized_shape=(9,)), leaf((4, 9), 19)),
-    "layer_norm_affine": lambda: (
+    "layer_norm": lambda d: (
+        out_of_place(mti.layer_norm_, normalized_shape=(9,)),
+        leaf((4, 9), 19, device=d),
+    ),
+    "layer_norm_affine": lambda d: (
         lambda x, w, b: out_of_place(mti.layer_norm_)(x, (9,), w, b),
-        leaf((4, 9), 20),
-        leaf((9,), 21),
-        leaf((9,), 22),
+        leaf((4, 9), 20, device=d),
+        leaf((9,), 21, device=d),
+        leaf((9,), 22, device=d),
     ),
-    "layer_norm_two_dims_weight": lambda: (
+    "layer_norm_two_dims_weight": lambda d: (
         lambda x, w: out_of_place(mti.layer_norm_, eps=1e-3)(x, (3, 4), w),
-        leaf((2, 3, 4), 23),
-        leaf((3, 4), 24),
+        leaf((2, 3, 4), 23, device=d),
+        leaf((3, 4), 24, device=d),
     ),
-    "layer_norm_bias_only": lambda: (
+    "layer_norm_bias_only": lambda d: (
         lambda x, b: out_of_place(mti.layer_norm_)(x, (5,), None, b),
-        leaf((3, 5), 25),
-        leaf((5,), 26),
+        leaf((3, 5), 25, device=d),
+        leaf((5,), 26, device=d),
     ),
-    "rms_norm": lambda: (out_of_place(mti.rms_norm_, normalized_shape=(9,)), leaf((4, 9), 27)),
-    "rms_norm_weight": lambda: (
+    "rms_norm": lambda d: (
+        out_of_place(mti.rms_norm_, normalized_shape=(9,)),
+        leaf((4, 9), 27, device=d),
+    ),
+    "rms_norm_weight": lambda d: (
         lambda x, w: out_of_place(mti.rms_norm_, eps=1e-6)(x, (2, 5), w),
-        leaf((3, 2, 5), 28),
-        leaf((2, 5), 29),
+        leaf((3, 2, 5), 28, device=d),
+        leaf((2, 5), 29, device=d),
     ),
-    "square_matmul": lambda: (
-        lambda x: out_of_place(mti.square_matmul_)(x, randn((6, 6), F64, "cpu", 30)),
-        leaf((2, 3, 6), 31),
+    "square_matmul": lambda d: (
+        lambda x: out_of_place(mti.square_matmul_)(x, randn((6, 6), F64, d, 30)),
+        leaf((2, 3, 6), 31, device=d),
     ),
-    "square_matmul_bias_transpose_no_workspace": lambda: (
+    "square_matmul_bias_transpose_no_workspace": lambda d: (
         lambda x, b: out_of_place(mti.square_matmul_, transpose=True, workspace_bytes=0)(
-            x, randn((6, 6), F64, "cpu", 32), b
+            x, randn((6, 6), F64, d, 32), b
         ),
-        leaf((5, 6), 33),
-        leaf((6,), 34),
+        leaf((5, 6), 33, device=d),
+        leaf((6,), 34, device=d),
     ),
-    "linear_bias": lambda: (
-        lambda x, b: out_of_place(mti.linear_)(x, randn((6, 6), F64, "cpu", 35), b),
-        leaf((5, 6), 36),
-        leaf((6,), 37),
+    "linear_bias": lambda d: (
+        lambda x, b: out_of_place(mti.linear_)(x, randn((6, 6), F64, d, 35), b),
+        leaf((5, 6), 36, device=d),
+        leaf((6,), 37, device=d),
     ),
 }
 
 
 @pytest.mark.parametrize("case", GRADCHECK_CASES.values(), ids=GRADCHECK_CASES.keys())
-def test_gradcheck(case):
-    fn, *inputs = case()
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck(device, case):
+    fn, *inputs = case(device)
     assert gradcheck(fn, tuple(inputs))
 
 

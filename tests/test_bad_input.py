@@ -164,6 +164,47 @@ def _softmax_mask_int(d):
     return x, lambda: mti.softmax_(x, mask=int_tensor(4, 5, device=d)), RuntimeError, "mask"
 
 
+def _softmax_mask_other_float_dtype(d):
+    # A mask is bool or exactly x's dtype, as scaled_dot_product_attention has it: no silent
+    # copy of the mask in x's dtype.
+    x = rand(4, 5, device=d)
+    m = rand(4, 5, device=d, dtype=torch.float16)
+    return x, lambda: mti.softmax_(x, mask=m), RuntimeError, "mask must be bool or x's dtype"
+
+
+def _log_softmax_mask_float64_for_bf16(d):
+    x = rand(4, 5, device=d, dtype=torch.bfloat16)
+    m = rand(5, device=d, dtype=torch.float64)
+    return x, lambda: mti.log_softmax_(x, mask=m), RuntimeError, "mask must be bool or x's dtype"
+
+
+def _softmax_mask_other_dtype_autograd(d):
+    # Through the autograd Function: x is a non-leaf that requires grad.
+    x = rand(4, 5, device=d).requires_grad_() * 1
+    m = rand(4, 5, device=d, dtype=torch.float64)
+    return x, lambda: mti.softmax_(x, mask=m), RuntimeError, "mask must be bool or x's dtype"
+
+
+def _softmax_mask_other_dtype_compiled(d):
+    # Under torch.compile the fake kernel refuses it while tracing, before anything runs.
+    x = rand(4, 5, device=d)
+    m = rand(4, 5, device=d, dtype=torch.float16)
+    fn = torch.compile(lambda x, m: mti.softmax_(x, mask=m), backend="aot_eager", fullgraph=True)
+    return x, lambda: fn(x, m), RuntimeError, "mask must be bool or x's dtype"
+
+
+def _softmax_backward_mask_other_dtype(d):
+    y = rand(4, 5, device=d)
+    m = rand(5, device=d, dtype=torch.float16)
+    grad_x = torch.zeros_like(y)
+    return (
+        grad_x,
+        lambda: _ops.softmax_backward(y, rand(4, 5, device=d), -1, 1.0, m, False, False, grad_x),
+        RuntimeError,
+        "mask must be bool or y's dtype",
+    )
+
+
 def _softmax_mask_is_x(d):
     x = rand(4, 5, device=d)
     return x, lambda: mti.softmax_(x, mask=x), RuntimeError, "overlaps mask"
@@ -313,6 +354,11 @@ CASES = [
     _softmax_mask_not_broadcastable,
     _softmax_mask_more_dims,
     _softmax_mask_int,
+    _softmax_mask_other_float_dtype,
+    _log_softmax_mask_float64_for_bf16,
+    _softmax_mask_other_dtype_autograd,
+    _softmax_mask_other_dtype_compiled,
+    _softmax_backward_mask_other_dtype,
     _softmax_mask_is_x,
     _softmax_mask_views_x,
     _softmax_expanded_x,
@@ -385,10 +431,24 @@ def _rms_weight_on_cpu(d):
     return x, lambda: mti.rms_norm_(x, (6,), rand(6, device="cpu")), RuntimeError, "device"
 
 
-def _float64_on_cuda(d):
-    # float64 is a CPU-only convenience for gradcheck.
+def _float64_matmul_k_too_large_without_workspace(d):
+    # float64's zero-workspace kernel holds a row of x in shared memory.
+    k = torch.cuda.get_device_properties(d).shared_memory_per_block_optin // 8 + 1
+    x = rand(2, k, device=d, dtype=torch.float64)
+    w = torch.zeros(k, k, device=d, dtype=torch.float64)
+    return (
+        x,
+        lambda: mti.square_matmul_(x, w, workspace_bytes=0),
+        RuntimeError,
+        f"K={k} is too large for the zero-workspace kernel \\(max {k - 1} for Double",
+    )
+
+
+def _float64_norm_rstd_float32(d):
+    # On CUDA a float64 x saves its rstd in float64.
     x = rand(4, 6, device=d, dtype=torch.float64)
-    return x, lambda: mti.softmax_(x), RuntimeError, "Double|float64"
+    rstd = torch.zeros(4, device=d)
+    return x, lambda: _ops.rms_norm_(x, [6], None, 1e-5, rstd), RuntimeError, "rstd must be.*Double"
 
 
 @requires_cuda
@@ -400,7 +460,8 @@ def _float64_on_cuda(d):
         _mask_on_cpu,
         _norm_weight_on_cpu,
         _rms_weight_on_cpu,
-        _float64_on_cuda,
+        _float64_matmul_k_too_large_without_workspace,
+        _float64_norm_rstd_float32,
     ],
     ids=lambda c: c.__name__.lstrip("_"),
 )

@@ -33,7 +33,7 @@ std::pair<const char*, const char*> byte_span(const at::Tensor& t) {
 void check_float_dtype(const char* op, const char* name, const at::Tensor& t) {
   const auto dt = t.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kDouble, op,
-              ": ", name, " must be float32, float16, bfloat16 (or float64 on CPU), got ", dt);
+              ": ", name, " must be float32, float16, bfloat16 or float64, got ", dt);
 }
 
 void check_like(const char* op, const char* name, const at::Tensor& t, const char* x_name,

@@ -16,8 +16,7 @@ namespace mti {
 std::string text(int64_t v);
 std::string text(at::IntArrayRef shape);
 
-// t is float32, float16, bfloat16 or float64 (for gradcheck; the CUDA backend refuses it in
-// its dtype dispatch).
+// t is float32, float16, bfloat16 or float64.
 void check_float_dtype(const char* op, const char* name, const at::Tensor& t);
 
 // t has the device and dtype of x (called `x_name` in the message; check_like_x: "x").

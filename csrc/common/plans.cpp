@@ -197,6 +197,17 @@ void build_backward_index(const char* op, int64_t lead, at::Tensor& yv, at::Tens
   if (mv) build_row_index(op, "mask", lead, *mv, *mask_row);
 }
 
+// rstd: `rows` contiguous elements of rstd_dtype(x) on x's device (x called `x_name`).
+void check_rstd(const char* op, const at::Tensor& rstd, const at::Tensor& x, const char* x_name,
+                int64_t rows) {
+  const at::ScalarType dtype = rstd_dtype(x);
+  TORCH_CHECK(rstd.scalar_type() == dtype && rstd.is_contiguous() && rstd.numel() == rows &&
+                  rstd.device() == x.device(),
+              op, ": rstd must be a contiguous ", dtype, " tensor of ", text(rows), " elements on ",
+              x_name, "'s device, got ", rstd.scalar_type(), " of ", text(rstd.numel()), " on ",
+              rstd.device());
+}
+
 void set_rows(RowLayout& layout, int64_t rows, int64_t n, int64_t col_stride) {
   layout.rows = rows;
   layout.n = n;
@@ -204,6 +215,10 @@ void set_rows(RowLayout& layout, int64_t rows, int64_t n, int64_t col_stride) {
 }
 
 }  // namespace
+
+at::ScalarType rstd_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble && x.is_cuda() ? at::kDouble : at::kFloat;
+}
 
 SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, double scale,
                          const std::optional<at::Tensor>& mask, bool causal, bool log) {
@@ -271,10 +286,7 @@ NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normaliz
   if (weight) plan.weight = weight->contiguous();
   if (bias) plan.bias = bias->contiguous();
   if (rstd.numel() > 0) {
-    TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() &&
-                    rstd.numel() == plan.x.rows && rstd.device() == x.device(),
-                op, ": rstd must be a contiguous float32 tensor of ", text(plan.x.rows),
-                " elements on x's device, got ", rstd.scalar_type(), " of ", text(rstd.numel()));
+    check_rstd(op, rstd, x, "x", plan.x.rows);
     check_no_overlap(op, "rstd", x, rstd);
     plan.save_rstd = true;
   }
@@ -296,10 +308,7 @@ NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const a
   // An out argument with no elements is not wanted (or has nothing to receive).
   const bool want_x = grad_x.numel() > 0;
   check_backward_tensors(op, y, grad, want_x ? grad_x : at::Tensor(), /*grad_x_optional=*/true);
-  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == rows &&
-                  rstd.device() == y.device(),
-              op, ": rstd must be a contiguous float32 tensor of ", text(rows),
-              " elements on y's device, got ", rstd.scalar_type(), " of ", text(rstd.numel()));
+  check_rstd(op, rstd, y, "y", rows);
   // Every tensor the op writes, with the name its messages use; each is checked against all
   // that is read, and against the ones written before it.
   std::vector<std::pair<const char*, at::Tensor>> read{{"y", y}, {"grad", grad}, {"rstd", rstd}};

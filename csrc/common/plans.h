@@ -33,7 +33,7 @@ struct NormPlan {
   RowLayout x;             // rows over the normalized dims, merged into one
   at::Tensor weight;       // undefined or contiguous with n elements
   at::Tensor bias;         // undefined or contiguous with n elements
-  bool save_rstd = false;  // rstd has `rows` float32 elements to fill
+  bool save_rstd = false;  // rstd has `rows` elements of rstd_dtype(x) to fill
 };
 
 // A backward pass of a row-wise op: rows of y and grad read, rows of grad_x written. y and
@@ -58,6 +58,11 @@ struct NormBackwardPlan {
   bool want_bias = false;    // grad_bias (contiguous, bias's dtype) is written
 };
 
+// The dtype of the per-row rstd that the norms save for their backward: float64 for a float64
+// x on CUDA, whose gradients are held to float64's accuracy; float32 otherwise (the CPU
+// backend saves float32 for every dtype). make_torch_inplace/ops.py allocates the same.
+at::ScalarType rstd_dtype(const at::Tensor& x);
+
 MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, bool transpose,
                               int64_t workspace_bytes);
@@ -79,7 +84,7 @@ SoftmaxBackwardPlan plan_softmax_backward(const char* op, const at::Tensor& y,
 
 // `op` as above ("norm_backward"). grad_x, grad_weight, grad_bias: empty (not wanted) or the
 // tensors to write, grad_weight / grad_bias contiguous in weight's / bias's shape and dtype.
-// rstd: the forward's, `rows` contiguous float32 values.
+// rstd: the forward's, `rows` contiguous values of rstd_dtype(y).
 NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const at::Tensor& grad,
                                     at::IntArrayRef normalized_shape,
                                     const std::optional<at::Tensor>& weight,

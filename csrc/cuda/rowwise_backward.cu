@@ -1,6 +1,6 @@
 // CUDA host functions of softmax_backward and norm_backward: plan (all checks, before any
 // byte is written), then dispatch on dtype and launch the torch-free kernels of
-// csrc/kernels/rowwise/.
+// csrc/kernels/rowwise/ (float64: their *_f64 launchers).
 #include "common/plans.h"
 #include "cuda/cuda_ops.h"
 #include "cuda/dispatch.h"
@@ -17,6 +17,12 @@ void softmax_backward(const at::Tensor& y, const at::Tensor& grad, int64_t dim, 
   const c10::cuda::CUDAGuard guard(y.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const void* mask_data = plan.mask.kind == MaskKind::kNone ? nullptr : plan.mask_tensor.data_ptr();
+  if (y.scalar_type() == at::kDouble) {
+    C10_CUDA_CHECK(launch_softmax_backward_f64(
+        plan.y.data_ptr<double>(), plan.grad.data_ptr<double>(), grad_x.data_ptr<double>(),
+        plan.rows, mask_data, plan.mask, plan.params, scale, stream));
+    return;
+  }
   MTI_DISPATCH_FLOATING(y.scalar_type(), "softmax_backward", [&] {
     C10_CUDA_CHECK(launch_softmax_backward(
         device_ptr<scalar_t>(plan.y), device_ptr<scalar_t>(plan.grad), device_ptr<scalar_t>(grad_x),
@@ -25,7 +31,7 @@ void softmax_backward(const at::Tensor& y, const at::Tensor& grad, int64_t dim, 
 }
 
 // y, grad, grad_x: [..., *normalized_shape]; weight, bias, grad_weight, grad_bias:
-// normalized_shape (the gradients empty when not wanted); rstd: [rows] float32.
+// normalized_shape (the gradients empty when not wanted); rstd: [rows] of rstd_dtype(y).
 void norm_backward(const at::Tensor& y, const at::Tensor& grad, at::IntArrayRef normalized_shape,
                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                    const at::Tensor& rstd, bool rms, const at::Tensor& grad_x,
@@ -35,6 +41,17 @@ void norm_backward(const at::Tensor& y, const at::Tensor& grad, at::IntArrayRef 
                          grad_x, grad_weight, grad_bias);
   const c10::cuda::CUDAGuard guard(y.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (y.scalar_type() == at::kDouble) {
+    const auto data = [](bool wanted, const at::Tensor& t) {
+      return wanted ? t.data_ptr<double>() : nullptr;
+    };
+    C10_CUDA_CHECK(launch_norm_backward_f64(
+        plan.y.data_ptr<double>(), plan.grad.data_ptr<double>(), data(plan.want_x, grad_x),
+        plan.rows, data(plan.weight.defined(), plan.weight), data(plan.bias.defined(), plan.bias),
+        rstd.data_ptr<double>(), plan.rms, data(plan.want_weight, grad_weight),
+        data(plan.want_bias, grad_bias), stream));
+    return;
+  }
   MTI_DISPATCH_FLOATING(y.scalar_type(), "norm_backward", [&] {
     using T = typename DeviceType<scalar_t>::type;
     int64_t scratch_floats = 0;

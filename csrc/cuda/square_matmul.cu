@@ -1,7 +1,8 @@
 // CUDA host side of square_matmul_: x[..., K] <- x @ W (or x @ W^T) + bias, over x.
 //
 // kernels/square_matmul/select.h decides how a call runs: the few-rows kernel, the handshake
-// kernel, cuBLAS in chunks of rows, or a zero-workspace kernel. This file follows its plan:
+// kernel, cuBLAS in chunks of rows, or a zero-workspace kernel (float64: cuBLAS in chunks or
+// kernels/square_matmul/f64.h, chosen here). This file follows its plan:
 // it runs cuBLAS through ATen, a chunk of rows at a time into a workspace of at most
 // workspace_bytes (less the CUDA allocator's rounding), each chunk copied back over its rows
 // on a side stream while the GEMM of the next chunk runs; it keeps the handshake kernel's
@@ -28,6 +29,7 @@
 #include "cuda/cuda_ops.h"
 #include "cuda/dispatch.h"
 #include "kernels/common.cuh"
+#include "kernels/square_matmul/f64.h"
 #include "kernels/square_matmul/select.h"
 #include "kernels/square_matmul/tuning.h"
 
@@ -149,6 +151,40 @@ HandshakeCounters handshake_counters(int64_t count, const c10::cuda::CUDAStream&
   return {(*kept)[key] = at::zeros({count}, options), true};
 }
 
+// Unless `fits`, raises the error of a K past the zero-workspace kernel's limit max_k, the
+// kernel being used because `why`.
+void check_fits_without_workspace(bool fits, const at::Tensor& x, int64_t k, int64_t max_k,
+                                  const char* why) {
+  TORCH_CHECK(fits, "square_matmul_: K=", text(k),
+              " is too large for the zero-workspace kernel (max ", text(max_k), " for ",
+              x.scalar_type(), " on this GPU), which is used because ", why,
+              "; allow a workspace of at least ", text(workspace_holding(k * x.element_size())),
+              " bytes (one row, in the CUDA allocator's granularity)");
+}
+
+// float64: cuBLAS's DGEMM in chunks through the workspace where one can be had, else (or where
+// cuBLAS's chunks would be less accurate) the kernel of kernels/square_matmul/f64.cu, which
+// takes K up to the row of doubles that fits in a CTA's shared memory and refuses larger K
+// before anything is written.
+void square_matmul_f64(const at::Tensor& x, const MatmulPlan& plan, int64_t workspace_bytes,
+                       c10::cuda::CUDAStream current) {
+  DeviceInfo device;
+  C10_CUDA_CHECK(current_device(&device));
+  const int64_t max_k = sm::f64_max_k(device.smem_optin);
+  const TuningKey key = tuning_key(device, sizeof(double), plan.k);
+  SideStreamCopies pipeline(current, tuned(sm::kChunkBytes, key), tuned(sm::kChunkMinRows, key));
+  const int64_t bytes = allocatable_bytes(workspace_bytes);
+  const char* why = "cuBLAS's chunks of so few rows would be less accurate";
+  if (plan.k > max_k || !chunks_lose_accuracy(x, plan, bytes, pipeline)) {
+    why = square_matmul_with_workspace(x, plan, bytes, pipeline);
+    if (why == nullptr) return;
+  }
+  check_fits_without_workspace(plan.k <= max_k, x, plan.k, max_k, why);
+  C10_CUDA_CHECK(sm::launch_square_matmul_f64(
+      x.data_ptr<double>(), plan.x, plan.weight.data_ptr<double>(),
+      plan.bias ? plan.bias->data_ptr<double>() : nullptr, plan.transpose, current.stream()));
+}
+
 }  // namespace
 
 void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
@@ -159,8 +195,7 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
   const c10::cuda::CUDAGuard guard(x.device());
   const c10::cuda::CUDAStream current = at::cuda::getCurrentCUDAStream();
   const cudaStream_t stream = current;
-  // The dispatch also refuses float64 (which the plan accepts for the CPU's gradcheck) on
-  // every path, before anything is written.
+  if (x.scalar_type() == at::kDouble) return square_matmul_f64(x, plan, workspace_bytes, current);
   MTI_DISPATCH_FLOATING(x.scalar_type(), "square_matmul_", [&] {
     using T = typename DeviceType<scalar_t>::type;
     T* const x_data = device_ptr<scalar_t>(x);
@@ -188,12 +223,7 @@ void square_matmul_(const at::Tensor& x, const at::Tensor& weight,
       }
       // Comes only once no workspace is to be had: the zero-workspace kernels could not take
       // K otherwise.
-      TORCH_CHECK(p.kernel != sm::Kernel::kTooLarge, "square_matmul_: K=", text(plan.k),
-                  " is too large for the zero-workspace kernel (max ", text(p.max_k), " for ",
-                  x.scalar_type(), " on this GPU), which is used because ", why,
-                  "; allow a workspace of at least ",
-                  text(workspace_holding(plan.k * x.element_size())),
-                  " bytes (one row, in the CUDA allocator's granularity)");
+      check_fits_without_workspace(p.kernel != sm::Kernel::kTooLarge, x, plan.k, p.max_k, why);
       if (p.kernel == sm::Kernel::kHandshake) {
         // The counters come from the caching allocator like any workspace, so they count
         // against the limit (the plan says they fit), kept or not.

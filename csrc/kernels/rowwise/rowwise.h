@@ -2,7 +2,8 @@
 // rms_norm_ over rows, written over the input, and their backward passes, which read y (the
 // forward's output) and grad and write grad_x, never y or grad. Float32, float16 and bfloat16
 // (explicitly instantiated in softmax_forward.cu, norm_forward.cu, softmax_backward.cu and
-// norm_backward.cu), fp32 arithmetic. Each returns cudaGetLastError() after its launches.
+// norm_backward.cu), fp32 arithmetic; float64 by the *_f64 launchers at the end (f64.cu), in
+// double throughout. Each returns cudaGetLastError() after its launches.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -64,5 +65,24 @@ cudaError_t launch_norm_backward(const T* y, const T* grad, T* grad_x, const Bac
                                  const T* weight, const T* bias, const float* rstd, bool rms,
                                  T* grad_weight, T* grad_bias, float* scratch,
                                  int64_t scratch_floats, cudaStream_t stream);
+
+// Float64: plain kernels (a CTA per row, several passes over global memory), no extra memory.
+// Each does what its launcher above says, with these differences: the scale (softmax) and eps
+// (norms) are doubles, and rstd is `rows` doubles; launch_norm_f64 is LayerNorm (rms false) or
+// RMSNorm; launch_norm_backward_f64 needs no scratch.
+cudaError_t launch_softmax_f64(double* x, const RowLayout& layout, const void* mask,
+                               const MaskLayout& mask_layout, const SoftmaxParams& params,
+                               double scale, cudaStream_t stream);
+cudaError_t launch_norm_f64(double* x, const RowLayout& layout, const double* weight,
+                            const double* bias, double eps, bool rms, double* rstd_out,
+                            cudaStream_t stream);
+cudaError_t launch_softmax_backward_f64(const double* y, const double* grad, double* grad_x,
+                                        const BackwardRows& rows, const void* mask,
+                                        const MaskLayout& mask_layout, const SoftmaxParams& params,
+                                        double scale, cudaStream_t stream);
+cudaError_t launch_norm_backward_f64(const double* y, const double* grad, double* grad_x,
+                                     const BackwardRows& rows, const double* weight,
+                                     const double* bias, const double* rstd, bool rms,
+                                     double* grad_weight, double* grad_bias, cudaStream_t stream);
 
 }  // namespace mti
