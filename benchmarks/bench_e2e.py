@@ -288,6 +288,16 @@ def goals(rows: list[dict]) -> list[str]:
                 f"(goal {'<' if strict else '<='} {max_peak}), latency ratio <= {worst_ms:.3f} "
                 f"(goal <= {max_ms})"
             )
+        # Never worse: every converted row, whatever its attention, batch and length.
+        sel = [r for r in rows if r["model"] == model and r["variant"].endswith("+convert")]
+        if sel:
+            worst_peak = max(r["peak_ratio"] or 0.0 for r in sel)
+            worst_ms = max(r["ms_ratio"] for r in sel)
+            ok = "PASS" if worst_peak <= 1.0 and worst_ms <= 1.05 else "FAIL"
+            lines.append(
+                f"{ok} {model} never worse: peak ratio <= {worst_peak:.3f} (goal <= 1.0), "
+                f"latency ratio <= {worst_ms:.3f} (goal <= 1.05) on every converted row"
+            )
     return lines
 
 

@@ -92,8 +92,8 @@ class _BiasedAttention(nn.Module):
         bias = self.bias[:, (rel + 16).clamp(0, 31)].unsqueeze(0)  # (1, heads, t, t)
         if self.additive:
             mask = torch.zeros(1, 1, t, t, dtype=x.dtype)
-        else:
-            mask = (torch.arange(t)[None, :] >= 0).expand(t, t)[None, None]
+        else:  # one per batch element: where() broadcasts the bias over the batch
+            mask = (torch.arange(t)[None, :] >= 0).expand(b, 1, t, t)
         for qkv in self.qkv:
             q, k, v = qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
             if self.additive:
@@ -105,10 +105,11 @@ class _BiasedAttention(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("additive", [False, True])
-def test_a_mask_keeping_every_element_is_not_applied(additive):
+def test_a_mask_keeping_every_element_is_not_applied(additive, batch):
     model = _BiasedAttention(additive).eval()
-    x = torch.randn(1, 24, 16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(batch, 24, 16, generator=torch.Generator().manual_seed(1))
     converted = check_converted(model, x)
     [graph] = converted._backend.reports
     dropped = [s for s in graph.sites if "mask keeping every element" in s.pattern]

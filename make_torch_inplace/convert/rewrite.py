@@ -202,8 +202,9 @@ def _drop_mask_keeping_all(node: fx.Node, constants: _Constants):
     under torch.compile where eager mode passes none, and applies it to T5's position bias
     in every layer: a copy of heads x T x T that the model as is never makes. Sharing p's
     memory is safe where nothing writes into either tensor (nor any tensor sharing their
-    memory), p has the result's layout, and the result is not a graph output (the caller
-    would get p's memory); the rewriter then treats the two as one tensor."""
+    memory), p has the result's layout (or the result, p broadcast over a batch, is only
+    SDPA's mask: _broadcast_mask), and the result is not a graph output (the caller would
+    get p's memory); the rewriter then treats the two as one tensor."""
     m = _match(node, ("where", "add"))
     out = _tensor(node)
     if m is None or out is None or any(_match(u, ("softmax", "log_softmax")) for u in node.users):
@@ -223,7 +224,7 @@ def _drop_mask_keeping_all(node: fx.Node, constants: _Constants):
             or (family == "add" and not mt.is_floating_point())  # a bool added is 0 or 1
             or t.dtype != out.dtype
             or t.device != out.device
-            or not _same_layout(t, out)
+            or not (_same_layout(t, out) or _broadcast_mask(node, t, out))
             or constants.mask_kind(mask, out.shape) != "all"
             or not _unwritten(node.graph, [node, p])
         ):
@@ -240,6 +241,22 @@ def _drop_mask_keeping_all(node: fx.Node, constants: _Constants):
         )
         return site, node, p
     return None
+
+
+def _broadcast_mask(node: fx.Node, t: torch.Tensor, out: torch.Tensor) -> bool:
+    """node's value `out` is `t` broadcast (a batch of masks from one), and is read only as
+    scaled_dot_product_attention's attn_mask, which broadcasts t the same way itself."""
+    if t.dim() != out.dim() or not all(
+        _same(a, b) or _same(a, 1) for a, b in zip(t.shape, out.shape)
+    ):
+        return False
+    for user in node.users:
+        m = _match(user, ("sdpa",))
+        if m is None or m[1]["attn_mask"] is not node:
+            return False
+        if any(arg is node for k, arg in m[1].items() if k != "attn_mask"):
+            return False
+    return bool(node.users)
 
 
 def _unwritten(graph: fx.Graph, nodes: list[fx.Node]) -> bool:
