@@ -1,7 +1,8 @@
 """End to end: a whole transformer forward with and without make_torch_inplace.convert.
 
-Models (random weights from configs, no download): GPT-2, BERT and Llama from transformers
-(base models, no LM head) and a plain pre-norm attention block. Each runs with eager attention
+Models (random weights from configs, no download): GPT-2, BERT, Llama, Qwen2 and Gemma from
+transformers (base models, no LM head), the T5 encoder (relative position bias: SDPA gets it as
+an additive float mask) and a plain pre-norm attention block. Each runs with eager attention
 (the scores materialised: B x heads x T x T) and with scaled_dot_product_attention, each as is
 and converted: variants "eager", "eager+convert", "sdpa", "sdpa+convert". Inference in bf16
 under torch.inference_mode, batch 1 at seq 512 ... 8192 plus batch 4 at the short ones.
@@ -9,7 +10,8 @@ under torch.inference_mode, batch 1 at seq 512 ... 8192 plus batch 4 at the shor
 Per case: median latency, peak memory above the weights and inputs (the output included),
 and the largest difference of the converted model's output from the unconverted one's.
 The goals printed at the end: eager+convert peak <= 0.5x eager at seq >= 4096 with latency
-<= 1.1x; sdpa+convert peak < sdpa with latency <= 1.05x.
+<= 1.1x; every converted model never worse: peak <= 1.0x and latency <= 1.05x of the model as
+is, on every row.
 
     python benchmarks/bench_e2e.py                 # full sweep, CUDA (a few minutes)
     python benchmarks/bench_e2e.py --quick         # Llama, seq 512 and 1024
@@ -49,7 +51,7 @@ from benchmarks.common import (
     write_results,
 )
 
-MODELS = ["gpt2", "bert", "llama", "block"]
+MODELS = ["gpt2", "bert", "llama", "qwen2", "gemma", "t5", "block"]
 SEQS = [512, 1024, 2048, 4096, 8192]
 QUICK_SEQS = [512, 1024]
 EXTRA_BATCH = 4  # also run at batch 4 for seq <= EXTRA_BATCH_MAX_SEQ
@@ -103,12 +105,12 @@ class PreNormBlock(nn.Module):
 class LastHiddenState(nn.Module):
     """A transformers base model as a function of input_ids -> last_hidden_state."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kwargs: dict):
         super().__init__()
-        self.model = model
+        self.model, self.kwargs = model, kwargs
 
     def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return self.model(input_ids=input_ids, **self.kwargs).last_hidden_state
 
 
 def build(name: str, attn: str, size: Size, device, dtype) -> nn.Module:
@@ -136,20 +138,37 @@ def build(name: str, attn: str, size: Size, device, dtype) -> nn.Module:
             **common,
         )
         cls = transformers.BertModel
-    else:
-        config = transformers.LlamaConfig(
+    elif name == "t5":
+        config = transformers.T5Config(
+            d_model=d,
+            d_kv=d // heads,
+            num_heads=heads,
+            num_layers=layers,
+            d_ff=4 * d,
+            **common,
+        )
+        cls = transformers.T5EncoderModel
+    else:  # decoders with grouped-query attention, RMSNorm, rotary positions and a gated MLP
+        cls, config_cls = {
+            "llama": (transformers.LlamaModel, transformers.LlamaConfig),
+            "qwen2": (transformers.Qwen2Model, transformers.Qwen2Config),
+            "gemma": (transformers.GemmaModel, transformers.GemmaConfig),
+        }[name]
+        config = config_cls(
             hidden_size=d,
             num_attention_heads=heads,
             num_key_value_heads=heads // 2,
+            head_dim=d // heads,
             num_hidden_layers=layers,
             intermediate_size=11 * d // 4,
             max_position_embeddings=size.max_seq,
             **common,
         )
-        cls = transformers.LlamaModel
     with torch.device(device):
         model = cls(config)
-    return LastHiddenState(model.to(dtype).eval())
+    # T5's encoder takes no use_cache (it keeps no cache).
+    kwargs = {} if name == "t5" else {"use_cache": False}
+    return LastHiddenState(model.to(dtype).eval(), kwargs)
 
 
 def make_inputs(name: str, batch: int, seq: int, size: Size, device, dtype) -> tuple:
@@ -268,6 +287,16 @@ def goals(rows: list[dict]) -> list[str]:
                 f"{ok} {model} {variant}: peak ratio <= {worst_peak:.3f} at seq >= {min_seq} "
                 f"(goal {'<' if strict else '<='} {max_peak}), latency ratio <= {worst_ms:.3f} "
                 f"(goal <= {max_ms})"
+            )
+        # Never worse: every converted row, whatever its attention, batch and length.
+        sel = [r for r in rows if r["model"] == model and r["variant"].endswith("+convert")]
+        if sel:
+            worst_peak = max(r["peak_ratio"] or 0.0 for r in sel)
+            worst_ms = max(r["ms_ratio"] for r in sel)
+            ok = "PASS" if worst_peak <= 1.0 and worst_ms <= 1.05 else "FAIL"
+            lines.append(
+                f"{ok} {model} never worse: peak ratio <= {worst_peak:.3f} (goal <= 1.0), "
+                f"latency ratio <= {worst_ms:.3f} (goal <= 1.05) on every converted row"
             )
     return lines
 

@@ -97,5 +97,11 @@ def check_converted(model, *inputs, mode=torch.no_grad):
     return converted
 
 
+def sites_of(converted):
+    """Every site, with the sites another took over (attention_in_pieces: its softmax_)."""
+    return [part for s in converted.sites for part in (s, *s.parts)]
+
+
 def ops_of(converted):
-    return [s.op for s in converted.sites]
+    """The in-place ops of every site (a site of several elementwise ops lists them all)."""
+    return [op for s in sites_of(converted) for op in s.op.split(", ")]

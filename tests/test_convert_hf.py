@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from convert_helpers import HEADS, D, check_converted, ops_of
+from convert_helpers import HEADS, D, check_converted, ops_of, sites_of
 from helpers import DEVICES
 from torch import nn
 
@@ -90,7 +90,7 @@ def test_transformers(kind, attn, limit, device):
         converted = check_converted(
             _LastHiddenState(model).to(device), ids.to(device), mask.to(device)
         )
-    sites = converted.sites
+    sites = sites_of(converted)
     layers = config.num_hidden_layers
     softmaxes = [s for s in sites if s.op == "softmax_"]
     assert len(softmaxes) == (layers if attn == "eager" else 0)

@@ -44,7 +44,13 @@ sizes alone (transformers builds one under torch.compile where eager mode passes
 computed once at capture (_Constants). One that keeps every element is dropped; one that keeps
 exactly j <= i becomes ``is_causal=True`` for scaled_dot_product_attention and ``causal=True``
 for softmax_ (also from ``torch.where(mask, x, lowest)``). SDPA then keeps its flash kernel,
-and no S x S mask is built.
+and no S x S mask is built. ``torch.where(keep_all, x, fill)`` or ``x + zeros`` is x itself
+where nothing writes either (T5's position bias, which transformers masks in every layer
+under torch.compile).
+
+Never worse: each capture's report (rewrite.GraphReport) holds the peak bytes of the graph's
+tensors as captured and as rewritten (liveness.tensor_peak); a graph whose rewrites would
+raise that peak runs as captured.
 
 Modules: runtime (ConvertedModule, its backend and its calls), rewrite (the rewriter and Site),
 liveness (aliasing groups and their last reads), patterns (the ops recognised and their
@@ -77,9 +83,10 @@ def convert(model: nn.Module, verbose: bool = False) -> ConvertedModule:
     model input, parameter or buffer, not visible through a view that is still used. The
     model is captured with torch.compile on its first call and again for each new input
     shape (static shapes; past 64 captures of a model class Dynamo runs it unconverted); with
-    ``verbose=True`` each capture prints the rewritten sites and the bytes each saves, which
-    also accumulate in ``ConvertedModule.sites``. `model` itself is left unchanged and shares
-    its parameters with the result.
+    ``verbose=True`` each capture prints its report: one line per rewritten site with the
+    bytes it no longer allocates, and the peak of the graph's tensors before and after
+    (also ``ConvertedModule.report()``; the sites accumulate in ``ConvertedModule.sites``).
+    `model` itself is left unchanged and shares its parameters with the result.
 
     Inference only: running the result where autograd would record (grad mode on and a
     parameter or input that requires grad) raises RuntimeError; use torch.no_grad() or

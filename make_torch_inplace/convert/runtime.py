@@ -66,7 +66,12 @@ class ConvertedModule(nn.Module):
     @property
     def sites(self) -> list[Site]:
         """Every site rewritten so far, over all captured graphs and recompilations."""
-        return self._backend.sites
+        return [site for r in self._backend.reports for site in r.sites]
+
+    def report(self) -> str:
+        """What convert did, one block per captured graph: the graph's sites, one line
+        each, and the peak of its tensors before and after (rewrite.GraphReport)."""
+        return "\n".join(line for r in self._backend.reports for line in r.lines())
 
     def forward(self, *args, **kwargs):
         grad = torch.is_grad_enabled()
@@ -133,11 +138,13 @@ class _Backend:
 
     def __init__(self, verbose: bool) -> None:
         self.verbose = verbose
-        self.sites: list[Site] = []
+        self.reports: list[rewrite.GraphReport] = []
         self.graph_calls = 0  # calls of the graphs it returned, which ConvertedModule reads
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
-        self.sites.extend(rewrite._rewrite_graph(gm, report=print if self.verbose else None))
+        result = rewrite._rewrite_graph(gm, report=print if self.verbose else None)
+        if result is not None:
+            self.reports.append(result)
         _compat.generate_code(gm)  # gm.forward is then the generated function itself
         forward = gm.forward
 
