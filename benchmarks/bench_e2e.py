@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -339,6 +340,19 @@ def report(records: list[dict]) -> None:
     print(f"wrote {json_path}, {md_path}, {out / 'e2e_peak.png'}, {out / 'e2e_latency.png'}")
 
 
+def _earlier_part(env: dict, models: list[str]) -> list[dict]:
+    """The records of e2e.json for models other than `models`, from the same commit, device
+    and torch: the earlier parts of one sweep."""
+    path = results_dir() / "e2e.json"
+    if not path.exists():
+        return []
+    same = ("commit", "device", "torch")
+    old = json.loads(path.read_text())
+    if any(r[k] != env[k] for r in old for k in same):
+        sys.exit(f"--append: {path} holds records of another commit, device or torch")
+    return [r for r in old if r["model"] not in models]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="Llama only, seq 512 and 1024")
@@ -350,6 +364,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=None)
     parser.add_argument("--seqs", nargs="+", type=int, default=None)
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the other models' records of e2e.json when they are of this commit and device "
+        "(a sweep run in parts)",
+    )
     args = parser.parse_args()
 
     device = torch.device(args.device) if args.device else best_device()
@@ -361,7 +381,7 @@ def main() -> None:
     dtype = torch.bfloat16
     env = env_info()
     print(f"{env['device']}, torch {env['torch']}, commit {env['commit']}")
-    records = []
+    records = _earlier_part(env, models) if args.append else []
     for name in models:
         records += run_model(name, seqs, size, device, dtype, env)
         report(records)  # after each model: a sweep cut short keeps what it measured
