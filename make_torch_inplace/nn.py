@@ -112,7 +112,10 @@ class _InplaceModule:
             return False
         calibration = _calibration or _calibrate()
         if calibration is None or not _call_site.held_by_call_only(input, calibration):
-            reason = "its input may be read after the call (a Python reference to it is alive)"
+            reason = (
+                "its input may be read after the call (another Python reference to it, or a "
+                "call other than module(x) with one positional argument and no hooks)"
+            )
         elif not _C._sole_tensor_owner(input):
             reason = "another tensor, a view or autograd shares its input's memory"
         elif input.requires_grad and input.is_leaf and torch.is_grad_enabled():
@@ -122,10 +125,9 @@ class _InplaceModule:
         if type(self) not in _warned:
             _warned.add(type(self))
             warnings.warn(
-                f"{type(self).__name__} ran out of place: {reason}. Later calls of "
-                f"{type(self).__name__} that do the same are not reported. Pass "
-                "always_inplace=True where the input is known to be dead, or use "
-                "make_torch_inplace.convert(model).",
+                f"{type(self).__name__} ran out of place: {reason}. Later fallbacks of "
+                f"{type(self).__name__} are not reported. Pass always_inplace=True where the "
+                "input is known to be dead, or use make_torch_inplace.convert(model).",
                 InplaceFallbackWarning,
                 stacklevel=5,  # the module's caller, past forward, _call_impl and __call__
             )
