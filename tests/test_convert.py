@@ -587,7 +587,7 @@ def test_write_between_scale_and_softmax_is_not_folded():
 def _converted_with_our_ops():
     torch.manual_seed(0)
     model = Probe(lambda m, x: torch.softmax(m.square(m.lin(x)), -1))
-    model.square = mti.nn.InplaceLinear(D, D)
+    model.square = mti.nn.InplaceLinear(D, D, always_inplace=True)
     model.eval().requires_grad_(False)
     return check_converted(model, randn((2, 8, D), torch.float32, "cpu", seed=1))
 
