@@ -103,10 +103,10 @@ class ConvertedModule(nn.Module):
         # Dynamo reads _CAPTURE_CONFIG only when it captures, which can happen only where the
         # inputs' layouts differ from every earlier call's (its guards passed for those).
         # Patching the config costs tens of microseconds, so only a call with a new signature
-        # does. A capture that happens anyway (a guard on
-        # something else failed: a module attribute) runs with Dynamo's defaults, which is
-        # still safe: the backend handles symbolic shapes, and past the default recompile
-        # limit Dynamo runs the original forward.
+        # does. A capture that happens anyway (a guard on something else failed: a module
+        # attribute) runs with Dynamo's defaults, which is still safe: the backend handles
+        # static and symbolic shapes, and past the default recompile limit Dynamo runs the
+        # original forward.
         signature = _input_signature(grad, args, kwargs)
         graphs = self._captured.get(signature)
         if graphs is None:
@@ -261,8 +261,9 @@ def _calling(module: nn.Module, converted: nn.Module) -> nn.Module:
 
 
 def _input_signature(grad_enabled: bool, args, kwargs) -> tuple:
-    """What a static-shape capture of a call depends on in its inputs, and what Dynamo's
-    guards on them check that commonly changes between calls: tensors' layouts, whether they
+    """What Dynamo's guards check of a call's inputs that commonly changes between calls,
+    exactly: tensors' layouts (the sizes too: a guard may relate them, or pin one to 1; a
+    call with a signature seen before passes the guards that passed for it), whether they
     require grad or are inference tensors, Python scalars' values, and grad mode (the
     caller's torch.is_grad_enabled(), which it has read already). It runs on every call,
     where a small model's forward is bound by host time: hence list comprehensions over a
