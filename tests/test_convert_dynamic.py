@@ -3,6 +3,7 @@
 classified for the sizes of each call, and generate() runs the converted forward."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -129,3 +130,28 @@ def test_generate_runs_the_converted_forward(monkeypatch):
             assert torch.equal(tokens, model.generate(ids, max_new_tokens=new, **kwargs))
     assert len(captures) == 2
     assert converted.config is model.config
+
+
+def test_masks_are_evaluated_once_per_sizes(monkeypatch):
+    """A call with sizes seen before picks its rewrite with a dict lookup: the masks are
+    evaluated (on the CPU) only for new sizes."""
+    constants = importlib.import_module("make_torch_inplace.convert.constants")
+    evaluated = []
+    kind = constants._MaskQuery.kind
+
+    def counting(self, sizes):
+        evaluated.append(sizes)
+        return kind(self, sizes)
+
+    monkeypatch.setattr(constants._MaskQuery, "kind", counting)
+    torch.manual_seed(0)
+    model = MaskedAttention(_sliding_window, "sdpa").eval()
+    converted = mti.convert(model)
+    counts = []
+    with torch.no_grad():
+        for t in (5, 5, 6, 6, 5, 6):
+            x = randn((2, t, D), torch.float32, "cpu", t)
+            torch.testing.assert_close(converted(x), model(x))
+            counts.append(len(evaluated))
+    # at the capture (length 5), then for length 6 alone
+    assert 0 < counts[0] == counts[1] < counts[2] == counts[3] == counts[4] == counts[5]

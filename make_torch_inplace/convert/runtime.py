@@ -93,7 +93,8 @@ class ConvertedModule(nn.Module):
 
     @property
     def sites(self) -> list[Site]:
-        """Every site rewritten so far, over all captured graphs and recompilations."""
+        """Every site rewritten so far, over all captured graphs and recompilations, and the
+        rewrites of a graph for each class of sizes (see _SizeClasses)."""
         return self._backend.sites
 
     def forward(self, *args, **kwargs):
