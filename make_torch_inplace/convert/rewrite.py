@@ -106,10 +106,14 @@ def _mib(n: int) -> str:
 
 
 def _rewrite_graph(
-    gm: fx.GraphModule, report: Callable[[str], None] | None = None
+    gm: fx.GraphModule,
+    report: Callable[[str], None] | None = None,
+    constants: _Constants | None = None,
 ) -> GraphReport | None:
     """Rewrites a Dynamo graph in place (see the package's docstring); returns what it did,
-    None if the graph was left unchanged because its aliasing is unknown."""
+    None if the graph was left unchanged because its aliasing is unknown. `constants`: the
+    graph's _Constants, which says for which sizes masks are evaluated (default: the traced
+    example's)."""
     blocker = _unanalyzable_node(gm.graph)
     if blocker is not None:
         if report:
@@ -122,7 +126,7 @@ def _rewrite_graph(
     before = tensor_peak(gm.graph)
     captured = fx.Graph()
     captured.output(captured.graph_copy(gm.graph, {}))
-    constants = _Constants(gm.graph)
+    constants = _Constants(gm.graph) if constants is None else constants
     sites = [_fold_sdpa_mask(node, constants) for node in list(gm.graph.nodes)]
     dropped = [_drop_mask_keeping_all(node, constants) for node in list(gm.graph.nodes)]
     rewriter = _Rewriter(gm.graph, constants)
@@ -506,15 +510,13 @@ class _Rewriter:
         last reader must be the first node after it to allocate, and allocate no more than the
         product (the copy that merges heads does both)."""
         t, u, out = _tensor(a), _tensor(b), _tensor(node)
-        if out is None or not all(
-            isinstance(s, int) for v in (t, u, out) for s in (*v.shape, *v.stride())
-        ):
-            return False  # static shapes only: the pieces of the product are sized when it runs
+        if out is None:
+            return False
         *batch, _, k = t.shape
         if not (
             t.dim() == u.dim()
-            and list(u.shape) == [*batch, k, u.shape[-1]]
-            and u.shape[-1] <= k
+            and all(_same(x, y) for x, y in zip(u.shape, [*batch, k, u.shape[-1]]))
+            and self.constants.holds(u.shape[-1] <= k)  # for the sizes at hand
             and t.dtype == u.dtype
             and _inplace_ok(t, t, mti_op=True)  # a float, contiguous
             and _contiguous_dims(out.shape, out.stride())
@@ -530,7 +532,13 @@ class _Rewriter:
                 return False
             if self.live.allocates(later):
                 value = _tensor(later)  # None: several values (max's values and indices)
-                if at != last or value is None or value.nbytes > out.nbytes:
+                if (
+                    at != last
+                    or value is None
+                    or not self.constants.holds(
+                        value.numel() * value.itemsize <= out.numel() * out.itemsize
+                    )
+                ):
                     return False
             later = later.next
         return True
