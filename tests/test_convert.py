@@ -20,8 +20,8 @@ from convert_helpers import (
     count_captures,
     make_block,
     ops_of,
-    sites_of,
     record_graphs,
+    sites_of,
 )
 from helpers import (
     DEVICES,
