@@ -36,6 +36,7 @@
 #define CPU_CAPABILITY_AVX2
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunknown-pragmas"  // the vec headers' "#pragma unroll"
+#pragma GCC diagnostic ignored "-Wpsabi"  // AVX types in their signatures, as in ATen's build
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #pragma GCC diagnostic pop

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "common/plans.h"
 #include "cpu/cpu_ops.h"
@@ -15,42 +16,41 @@
 namespace mti::cpu {
 namespace {
 
-// The normalized input recovered from the output: (y - bias) / weight, 0 where weight is 0.
-template <typename acc_t, typename scalar_t>
-acc_t x_hat(acc_t y, const scalar_t* weight, const scalar_t* bias, int64_t j) {
-  if (bias) y -= static_cast<acc_t>(bias[j]);
-  if (!weight) return y;
-  const acc_t w = static_cast<acc_t>(weight[j]);
-  return w != 0 ? y / w : acc_t(0);
-}
-
 // grad_weight[j] = sum over rows of dy * x_hat, grad_bias[j] = sum over rows of dy (either
-// may be nullptr: not wanted). Zeros when there are no rows.
+// may be nullptr: not wanted), x_hat = (y - bias) / weight, 0 where weight is 0. Zeros when
+// there are no rows. The weight and bias are read into double once per call (two rows).
 template <typename scalar_t>
 void norm_param_grads(const scalar_t* y, const scalar_t* dy, const BackwardRows& R,
                       const scalar_t* weight, const scalar_t* bias, scalar_t* grad_weight,
                       scalar_t* grad_bias) {
-  using acc_t = double;
   constexpr int64_t kBlock = 64;  // columns per task: a cache line or more of each row
-  at::parallel_for(0, at::divup(R.y.n, kBlock), 1, [&](int64_t begin, int64_t end) {
+  const int64_t n = R.y.n, ys = R.y.col_stride, gs = R.grad.col_stride;
+  std::vector<double> wd(n, 1.0), bd(n, 0.0);
+  for (int64_t j = 0; j < n; ++j) {
+    if (weight) wd[j] = static_cast<double>(weight[j]);
+    if (bias) bd[j] = static_cast<double>(bias[j]);
+  }
+  at::parallel_for(0, at::divup(n, kBlock), 1, [&](int64_t begin, int64_t end) {
     double acc_w[kBlock], acc_b[kBlock];
     for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t c0 = blk * kBlock, c1 = std::min(R.y.n, c0 + kBlock);
+      const int64_t c0 = blk * kBlock, width = std::min(n, c0 + kBlock) - c0;
+      const double* __restrict__ wb = wd.data() + c0;
+      const double* __restrict__ bb = bd.data() + c0;
       std::fill(acc_w, acc_w + kBlock, 0.0);
       std::fill(acc_b, acc_b + kBlock, 0.0);
       for (int64_t r = 0; r < R.y.rows; ++r) {
-        const scalar_t* yr = y + R.y.row.offset(r);
-        const scalar_t* gr = dy + R.grad.row.offset(r);
-        for (int64_t j = c0; j < c1; ++j) {
-          const acc_t g = static_cast<acc_t>(gr[j * R.grad.col_stride]);
-          acc_b[j - c0] += g;
-          if (grad_weight)
-            acc_w[j - c0] += g * x_hat(static_cast<acc_t>(yr[j * R.y.col_stride]), weight, bias, j);
+        const scalar_t* yr = y + R.y.row.offset(r) + c0 * ys;
+        const scalar_t* gr = dy + R.grad.row.offset(r) + c0 * gs;
+        for (int64_t j = 0; j < width; ++j) {
+          const double g = static_cast<double>(gr[j * gs]);
+          const double xh = wb[j] != 0 ? (static_cast<double>(yr[j * ys]) - bb[j]) / wb[j] : 0.0;
+          acc_b[j] += g;
+          acc_w[j] += g * xh;
         }
       }
-      for (int64_t j = c0; j < c1; ++j) {
-        if (grad_weight) grad_weight[j] = scalar_t(acc_w[j - c0]);
-        if (grad_bias) grad_bias[j] = scalar_t(acc_b[j - c0]);
+      for (int64_t j = 0; j < width; ++j) {
+        if (grad_weight) grad_weight[c0 + j] = scalar_t(acc_w[j]);
+        if (grad_bias) grad_bias[c0 + j] = scalar_t(acc_b[j]);
       }
     }
   });

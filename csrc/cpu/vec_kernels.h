@@ -296,11 +296,14 @@ void norm_rows_impl(scalar_t* x, const RowLayout& L, const scalar_t* weight, con
       // the roundings of x_hat, of its product with the weight and of the sum with the bias
       // add up to several times PyTorch's error where the bias cancels much of the product.
       const auto write = [&](auto with_w, auto with_b) {
+        acc_t* __restrict__ out = z;  // z never aliases the weight or bias
+        const acc_t* __restrict__ wr = w;
+        const acc_t* __restrict__ br = b;
         for (int64_t j = 0; j < n; ++j) {
-          double y = (static_cast<double>(z[j]) - mean) * rstd;
-          if constexpr (decltype(with_w)::value) y *= static_cast<double>(w[j]);
-          if constexpr (decltype(with_b)::value) y += static_cast<double>(b[j]);
-          z[j] = static_cast<acc_t>(y);
+          double y = (static_cast<double>(out[j]) - mean) * rstd;
+          if constexpr (decltype(with_w)::value) y *= static_cast<double>(wr[j]);
+          if constexpr (decltype(with_b)::value) y += static_cast<double>(br[j]);
+          out[j] = static_cast<acc_t>(y);
         }
       };
       if (w && b)
