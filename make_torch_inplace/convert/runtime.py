@@ -22,11 +22,13 @@ _RECOMPILE_LIMIT = 64
 
 # Dynamo's settings while a converted model is captured:
 # - the recompile limit above;
-# - dynamic shapes (what torch.compile(dynamic=True) sets): every size of an input tensor is
-#   symbolic from the first capture, so one capture serves every sequence length and batch
-#   size. Dynamo still specialises a size of 0 or 1 (a batch of one, one new token), which
-#   costs one more capture. Parameters and buffers keep static sizes (Dynamo's default).
-#   Masks computed from sizes alone are told apart per sizes by the backend (_SizeClasses);
+# - automatic dynamic shapes (torch.compile's default): the first capture has static sizes;
+#   a size that later changes (the sequence length, the batch) becomes symbolic in the next
+#   capture, which then serves every value of it. Sizes that never change (the hidden size,
+#   the heads) stay constants, so what is computed from them (a softmax scale from the head
+#   size) folds, and the graph reads fewer symbolic sizes per call. Dynamo still specialises a
+#   size of 0 or 1 (a batch of one, one new token). Masks computed from sizes alone are told
+#   apart per sizes by the backend (_SizeClasses);
 # - floats specialised: a module's float attribute (a softmax scale, a norm's eps) stays a
 #   constant of the graph, which the rewrites fold, rather than a tensor read by .item();
 # - record_runtime_overhead off: on, every call of a compiled region enters and leaves a
@@ -37,7 +39,7 @@ _RECOMPILE_LIMIT = 64
 _CAPTURE_CONFIG = {
     "recompile_limit": _RECOMPILE_LIMIT,
     "automatic_dynamic_shapes": True,
-    "assume_static_by_default": False,
+    "assume_static_by_default": True,
     "specialize_float": True,
     "record_runtime_overhead": False,
 }
