@@ -15,7 +15,13 @@ from torch import nn
 
 from . import ops
 
-__all__ = ["InplaceLayerNorm", "InplaceLinear", "InplaceRMSNorm", "InplaceSoftmax"]
+__all__ = [
+    "InplaceCrossEntropyLoss",
+    "InplaceLayerNorm",
+    "InplaceLinear",
+    "InplaceRMSNorm",
+    "InplaceSoftmax",
+]
 
 
 def _adopt(new: nn.Module, old: nn.Module) -> nn.Module:
@@ -118,3 +124,31 @@ class InplaceRMSNorm(_SaysInplace, nn.RMSNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm_(input, self.normalized_shape, self.weight, self.eps)
+
+
+class InplaceCrossEntropyLoss(_SaysInplace, nn.CrossEntropyLoss):
+    """nn.CrossEntropyLoss whose forward overwrites the logits with their gradient
+    (ops.cross_entropy_). The classes are the last dim of the logits (..., V), which is
+    nn.CrossEntropyLoss's layout for (N, V) input; class weights are not supported."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+    ) -> None:
+        if weight is not None:
+            raise ValueError("InplaceCrossEntropyLoss: class weights are not supported")
+        super().__init__(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+        )
+
+    @classmethod
+    def from_cross_entropy_loss(cls, loss: nn.CrossEntropyLoss) -> InplaceCrossEntropyLoss:
+        return cls(loss.weight, loss.ignore_index, loss.reduction, loss.label_smoothing)
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ops.cross_entropy_(
+            input, target, self.ignore_index, self.reduction, self.label_smoothing
+        )
