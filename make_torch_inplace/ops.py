@@ -1,4 +1,5 @@
-"""Functional API: each op writes its result over its first argument and returns it.
+"""Functional API: each op writes its result over its first argument and returns it
+(cross_entropy_ writes the loss's gradient over the logits and returns the loss).
 
 Everything here sits above the dispatcher ops of ``torch.ops.make_torch_inplace`` (schemas in
 csrc/registration.cpp): argument defaults that mirror PyTorch, fake kernels for FakeTensor and

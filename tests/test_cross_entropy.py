@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,6 +161,16 @@ def test_extreme_logits(device):
     check_cross_entropy(x, target, "sum")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_target_and_logits(device):
+    """A transposed target (read through a contiguous copy) with logits whose leading dims are
+    permuted in memory."""
+    values = randn((5, 3, 40), torch.bfloat16, device, seed=11)
+    target = make_target((3, 5), 40, -100, seed=11).to(device).t()
+    assert not target.is_contiguous()
+    check_cross_entropy(with_layout(values, "lead_permuted"), target, "none")
+
+
 # --------------------------------------------------------------------------- autograd
 
 
@@ -207,6 +219,42 @@ def test_backward_through_linear(device, dtype, reduction):
     assert_accurate(loss, t_loss, ref_loss, what="loss")
     for name, g, tg, rg in zip(("weight", "bias", "h"), grads, t_grads, ref_grads):
         assert_accurate(g, tg, rg, what=f"grad of {name}")
+
+
+class _Logits(torch.autograd.Function):
+    """A copy of `base` that requires grad, as an LM head's output does; its backward drops
+    the logits' gradient, as the head's backward would consume it."""
+
+    @staticmethod
+    def forward(ctx, base):
+        return base.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_logits_sized_memory(device):
+    """Forward and backward together allocate the logits themselves (the clone) and, beyond
+    them, only the per-row losses and small buffers: no float32 copy, no log_softmax, no
+    second gradient (PyTorch's way takes 3 float32 logits-sized tensors more)."""
+    from benchmarks.common import peak_extra_bytes
+
+    rows, v = 64, 4096
+    base = randn((rows, v), torch.bfloat16, device, seed=12).requires_grad_()
+    target = make_target((rows,), v, -100, seed=12).to(device)
+
+    def step():
+        loss = mti.cross_entropy_(_Logits.apply(base), target)
+        loss.backward()
+        return loss.detach()
+
+    step()  # first-call allocations (the CUDA context's, the autograd engine's)
+    logits_bytes = rows * v * base.element_size()
+    # The losses (4 bytes a row), the counter, the scalar loss and its gradient, each
+    # rounded up to the CUDA allocator's 512-byte blocks.
+    assert peak_extra_bytes(step, device=device) <= logits_bytes + rows * 4 + 4 * 512
 
 
 @pytest.mark.parametrize("device", DEVICES)

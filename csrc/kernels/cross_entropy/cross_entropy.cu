@@ -3,7 +3,8 @@
 // sum of exps (online: the sum is rescaled when the max grows, once per vector) and, with label
 // smoothing, sum of logits, reduces them over the CTA, and reads the row again to write the
 // gradient over it, 16 bytes per access wherever the row's alignment allows. No memory beyond
-// the counter; the second read mostly hits L2 (a row is at most a few hundred KiB).
+// the counter. A row is at most a few hundred KiB (128256 bf16: 256 KiB), so its second read
+// may come from L2.
 #include <cuda_runtime.h>
 
 #include <cassert>
@@ -41,9 +42,20 @@ __device__ __forceinline__ T from_acc(cross_entropy_acc_t<T> v) {
     return from_float<T>(v);
 }
 
-// exp as accurate as T needs: exp_for<T> for the float types, exp for double.
+// exp for the row statistics, whose loss is float32 (float64): accurate expf (exp), never
+// __expf, whose error grows with |x| and would show in the loss.
 template <typename T>
-__device__ __forceinline__ cross_entropy_acc_t<T> acc_exp(cross_entropy_acc_t<T> x) {
+__device__ __forceinline__ cross_entropy_acc_t<T> stat_exp(cross_entropy_acc_t<T> x) {
+  if constexpr (std::is_same_v<T, double>)
+    return exp(x);
+  else
+    return exp_for<float>(x);
+}
+
+// exp for the gradient, rounded to T: exp_for<T> (__expf for 16-bit T, where the rounding
+// hides its error).
+template <typename T>
+__device__ __forceinline__ cross_entropy_acc_t<T> grad_exp(cross_entropy_acc_t<T> x) {
   if constexpr (std::is_same_v<T, double>)
     return exp(x);
   else
@@ -84,7 +96,7 @@ __device__ __forceinline__ RowStats<A> merge(const RowStats<A>& a, const RowStat
   const A m = a.max > b.max ? a.max : b.max;
   // Both still empty (or all -inf): exp(-inf - -inf) would be NaN.
   if (m == -static_cast<A>(INFINITY)) return {m, A(0), a.sum_x + b.sum_x};
-  return {m, a.sum_exp * acc_exp<T>(a.max - m) + b.sum_exp * acc_exp<T>(b.max - m),
+  return {m, a.sum_exp * stat_exp<T>(a.max - m) + b.sum_exp * stat_exp<T>(b.max - m),
           a.sum_x + b.sum_x};
 }
 
@@ -99,10 +111,10 @@ __device__ __forceinline__ void fold(RowStats<A>& s, const A (&v)[kCount]) {
     for (int i = 0; i < kCount; ++i) s.sum_x += v[i];
     return;
   }
-  A e = s.sum_exp * acc_exp<T>(s.max - m);
+  A e = s.sum_exp * stat_exp<T>(s.max - m);
 #pragma unroll
   for (int i = 0; i < kCount; ++i) {
-    e += acc_exp<T>(v[i] - m);
+    e += stat_exp<T>(v[i] - m);
     s.sum_x += v[i];
   }
   s.max = m;
@@ -127,10 +139,10 @@ __device__ RowStats<A> block_merge(RowStats<A> s, RowStats<A>* scratch) {
   return r;
 }
 
-// Calls f(j, v) for each element j of a row of n elements (v: the index of its first element
-// and kVec values, or one) so that the row's 16-byte aligned middle is read in whole vectors:
-// the elements before the first aligned address and after the last whole vector singly.
-// f(j, vals) gets an array of kVec or 1 values by reference and may write them back (store).
+// A row of n elements walked by the CTA: the elements before its first 16-byte aligned address
+// one at a time, then whole 16-byte vectors, then the rest one at a time. each(f) calls
+// f(j, vals) with vals an array of kVec values (or of one) starting at element j; f returns
+// whether to store vals back. A thread visits the same elements in every walk of a row.
 template <typename T>
 struct RowAccess {
   static constexpr int kVec = 16 / sizeof(T);
@@ -148,7 +160,6 @@ struct RowAccess {
     body_end = head + (n - head) / kVec * kVec;
   }
 
-  // f(j, T (&vals)[k]) for every group, returning whether to store vals back.
   template <class F>
   __device__ __forceinline__ void each(F f) const {
     for (int64_t j = threadIdx.x; j < head; j += kThreads) single(j, f);
@@ -219,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       constexpr int k = std::extent_v<std::remove_reference_t<decltype(v)>>;
 #pragma unroll
       for (int i = 0; i < k; ++i) {
-        const A prob = acc_exp<T>(to_acc(v[i]) - s.max) * inv;
+        const A prob = grad_exp<T>(to_acc(v[i]) - s.max) * inv;
         v[i] = from_acc<T>((prob - (j + i == t ? on_target : off_target)) * scale);
       }
       return true;
