@@ -179,10 +179,16 @@ struct RowAccess {
   }
 };
 
-// Minimum of one CTA per SM: without it ptxas held the float64 kernel to 64 registers and
-// spilled around the 64-bit divisions of the row offset.
+// CTAs resident per SM that ptxas must allow for. Float types: 4 (at most 64 registers; the
+// accurate expf of the statistics pass took 72 without a bound): half an sm_80/sm_90 SM's
+// threads, and about 500 rows in flight, whose second read (a 32000-word bf16 row: 64 KiB)
+// can then still come from L2. Not measured yet; candidates for a tuning table. float64: 1,
+// else ptxas held it to 64 registers and spilled around the row offset's 64-bit divisions.
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1)
+constexpr int kMinCtasPerSm = std::is_same_v<T, double> ? 1 : 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<T>)
     cross_entropy_kernel(T* logits, const RowLayout layout, const int64_t* target,
                          const CrossEntropyParams p, cross_entropy_acc_t<T>* losses,
                          const unsigned long long* valid_rows) {
