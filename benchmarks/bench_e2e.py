@@ -1,7 +1,8 @@
 """End to end: a whole transformer forward with and without make_torch_inplace.convert.
 
-Models (random weights from configs, no download): GPT-2, BERT and Llama from transformers
-(base models, no LM head) and a plain pre-norm attention block. Each runs with eager attention
+Models (random weights from configs, no download): GPT-2, BERT, Llama, Qwen2 and Gemma from
+transformers (base models, no LM head), the T5 encoder (relative position bias: SDPA gets it as
+an additive float mask) and a plain pre-norm attention block. Each runs with eager attention
 (the scores materialised: B x heads x T x T) and with scaled_dot_product_attention, each as is
 and converted: variants "eager", "eager+convert", "sdpa", "sdpa+convert". Inference in bf16
 under torch.inference_mode, batch 1 at seq 512 ... 8192 plus batch 4 at the short ones.
@@ -9,7 +10,8 @@ under torch.inference_mode, batch 1 at seq 512 ... 8192 plus batch 4 at the shor
 Per case: median latency, peak memory above the weights and inputs (the output included),
 and the largest difference of the converted model's output from the unconverted one's.
 The goals printed at the end: eager+convert peak <= 0.5x eager at seq >= 4096 with latency
-<= 1.1x; sdpa+convert peak < sdpa with latency <= 1.05x.
+<= 1.1x; every converted model never worse: peak <= 1.0x and latency <= 1.05x of the model as
+is, on every row.
 
     python benchmarks/bench_e2e.py                 # full sweep, CUDA (a few minutes)
     python benchmarks/bench_e2e.py --quick         # Llama, seq 512 and 1024
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -49,7 +52,7 @@ from benchmarks.common import (
     write_results,
 )
 
-MODELS = ["gpt2", "bert", "llama", "block"]
+MODELS = ["gpt2", "bert", "llama", "qwen2", "gemma", "t5", "block"]
 SEQS = [512, 1024, 2048, 4096, 8192]
 QUICK_SEQS = [512, 1024]
 EXTRA_BATCH = 4  # also run at batch 4 for seq <= EXTRA_BATCH_MAX_SEQ
@@ -103,12 +106,12 @@ class PreNormBlock(nn.Module):
 class LastHiddenState(nn.Module):
     """A transformers base model as a function of input_ids -> last_hidden_state."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kwargs: dict):
         super().__init__()
-        self.model = model
+        self.model, self.kwargs = model, kwargs
 
     def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return self.model(input_ids=input_ids, **self.kwargs).last_hidden_state
 
 
 def build(name: str, attn: str, size: Size, device, dtype) -> nn.Module:
@@ -136,20 +139,37 @@ def build(name: str, attn: str, size: Size, device, dtype) -> nn.Module:
             **common,
         )
         cls = transformers.BertModel
-    else:
-        config = transformers.LlamaConfig(
+    elif name == "t5":
+        config = transformers.T5Config(
+            d_model=d,
+            d_kv=d // heads,
+            num_heads=heads,
+            num_layers=layers,
+            d_ff=4 * d,
+            **common,
+        )
+        cls = transformers.T5EncoderModel
+    else:  # decoders with grouped-query attention, RMSNorm, rotary positions and a gated MLP
+        cls, config_cls = {
+            "llama": (transformers.LlamaModel, transformers.LlamaConfig),
+            "qwen2": (transformers.Qwen2Model, transformers.Qwen2Config),
+            "gemma": (transformers.GemmaModel, transformers.GemmaConfig),
+        }[name]
+        config = config_cls(
             hidden_size=d,
             num_attention_heads=heads,
             num_key_value_heads=heads // 2,
+            head_dim=d // heads,
             num_hidden_layers=layers,
             intermediate_size=11 * d // 4,
             max_position_embeddings=size.max_seq,
             **common,
         )
-        cls = transformers.LlamaModel
     with torch.device(device):
         model = cls(config)
-    return LastHiddenState(model.to(dtype).eval())
+    # T5's encoder takes no use_cache (it keeps no cache).
+    kwargs = {} if name == "t5" else {"use_cache": False}
+    return LastHiddenState(model.to(dtype).eval(), kwargs)
 
 
 def make_inputs(name: str, batch: int, seq: int, size: Size, device, dtype) -> tuple:
@@ -269,6 +289,16 @@ def goals(rows: list[dict]) -> list[str]:
                 f"(goal {'<' if strict else '<='} {max_peak}), latency ratio <= {worst_ms:.3f} "
                 f"(goal <= {max_ms})"
             )
+        # Never worse: every converted row, whatever its attention, batch and length.
+        sel = [r for r in rows if r["model"] == model and r["variant"].endswith("+convert")]
+        if sel:
+            worst_peak = max(r["peak_ratio"] or 0.0 for r in sel)
+            worst_ms = max(r["ms_ratio"] for r in sel)
+            ok = "PASS" if worst_peak <= 1.0 and worst_ms <= 1.05 else "FAIL"
+            lines.append(
+                f"{ok} {model} never worse: peak ratio <= {worst_peak:.3f} (goal <= 1.0), "
+                f"latency ratio <= {worst_ms:.3f} (goal <= 1.05) on every converted row"
+            )
     return lines
 
 
@@ -310,6 +340,19 @@ def report(records: list[dict]) -> None:
     print(f"wrote {json_path}, {md_path}, {out / 'e2e_peak.png'}, {out / 'e2e_latency.png'}")
 
 
+def _earlier_part(env: dict, models: list[str]) -> list[dict]:
+    """The records of e2e.json for models other than `models`, from the same commit, device
+    and torch: the earlier parts of one sweep."""
+    path = results_dir() / "e2e.json"
+    if not path.exists():
+        return []
+    same = ("commit", "device", "torch")
+    old = json.loads(path.read_text())
+    if any(r[k] != env[k] for r in old for k in same):
+        sys.exit(f"--append: {path} holds records of another commit, device or torch")
+    return [r for r in old if r["model"] not in models]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="Llama only, seq 512 and 1024")
@@ -321,6 +364,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=None)
     parser.add_argument("--seqs", nargs="+", type=int, default=None)
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the other models' records of e2e.json when they are of this commit and device "
+        "(a sweep run in parts)",
+    )
     args = parser.parse_args()
 
     device = torch.device(args.device) if args.device else best_device()
@@ -332,7 +381,7 @@ def main() -> None:
     dtype = torch.bfloat16
     env = env_info()
     print(f"{env['device']}, torch {env['torch']}, commit {env['commit']}")
-    records = []
+    records = _earlier_part(env, models) if args.append else []
     for name in models:
         records += run_model(name, seqs, size, device, dtype, env)
         report(records)  # after each model: a sweep cut short keeps what it measured

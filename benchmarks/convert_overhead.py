@@ -75,6 +75,7 @@ def main() -> None:
     mode = torch.no_grad if args.no_grad else torch.inference_mode
 
     converted = mti.convert(model)
+    size_hint = importlib.import_module("make_torch_inplace.convert._compat").size_hint
     # The graph each backend was given, and its inputs (the model's inputs and parameters,
     # the same tensors at every call here), to run the graphs without Dynamo: the converted
     # backend rewrites its graph in place, the no-op one keeps it as captured.
@@ -82,7 +83,9 @@ def main() -> None:
 
     def recording(backend, name):
         def compile_graph(gm, example_inputs):
-            graphs[name].append((gm, list(example_inputs)))
+            # a dynamic size's value in the call (reading it as int() would add a guard)
+            args = [size_hint(a) if isinstance(a, torch.SymInt) else a for a in example_inputs]
+            graphs[name].append((gm, args))
             return backend(gm, example_inputs)
 
         return compile_graph

@@ -1,27 +1,49 @@
-"""Modules whose forward writes its result over its input.
+"""Modules whose forward writes its result over its input, where that is safe.
 
 Each one subclasses the torch module it replaces, so it has the same constructor, parameters,
 initialisation and state_dict keys; only forward differs. The ``from_<module>`` constructors
 share the given module's parameters (no copy), so a model can be changed layer by layer.
 
-Use them only where the input is dead after the layer (nothing reads it later): forward
-overwrites it. ``make_torch_inplace.convert`` finds those places in a whole model by itself.
+Forward overwrites its input only where nothing can read it afterwards; elsewhere it runs the
+torch module's own forward, which returns a new tensor, and warns once per class
+(``InplaceFallbackWarning``; filter it where falling back is expected, e.g. a model asked for
+its hidden states). The input counts as dead when all of these hold:
+
+- Python: the caller passed a temporary (``ln(lin(x))``) or rebinds the local it passed to the
+  result (``x = ln(x)``, ``nn.Sequential``), the module was called as ``module(x)`` with one
+  positional argument and no hooks, and the reference count shows no other holder
+  (``_call_site.py`` says how the count is read, and where a reference can hide from it);
+- C++: no other tensor shares its memory (views, ``.detach()``, autograd's saved tensors), and
+  if it is a view, nothing but this view holds its base (``_C._sole_tensor_owner``);
+- autograd: it is not a leaf that requires grad.
+
+Under ``torch.compile`` reference counts mean nothing, so forward is out of place there (the
+compiled graph may still reuse memory; ``make_torch_inplace.convert`` proves each rewrite from
+the graph). ``always_inplace=True`` skips every check and always overwrites: for code that
+knows its inputs are dead, where the check cannot see it (an input passed on from an outer
+forward's argument), or under torch.compile.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
-from . import ops
+from . import _C, _call_site, ops
 
 __all__ = [
-    "InplaceCrossEntropyLoss",
+    "InplaceFallbackWarning",
     "InplaceLayerNorm",
     "InplaceLinear",
     "InplaceRMSNorm",
     "InplaceSoftmax",
 ]
+
+
+class InplaceFallbackWarning(UserWarning):
+    """An in-place module ran out of place because its input may be read afterwards."""
 
 
 def _adopt(new: nn.Module, old: nn.Module) -> nn.Module:
@@ -32,18 +54,93 @@ def _adopt(new: nn.Module, old: nn.Module) -> nn.Module:
     return new
 
 
-class _SaysInplace:
-    """Mixin: the module's repr says that it works in place."""
+# --------------------------------------------------------------------------- when to overwrite
+
+_is_compiling = torch.compiler.is_compiling
+_calibration: _call_site.Calibration | None = None
+_warned: set[type] = set()
+
+
+class _Probe(nn.Module):
+    """Calls _call_site.observe from the same frame depth as _InplaceModule._overwrites does."""
+
+    def forward(self, input):
+        return self._observe(input)
+
+    def _observe(self, x):
+        return _call_site.observe(x)
+
+
+def _global_hooks() -> bool:
+    # Private, so a torch without it counts as having hooks: the probe would measure the path
+    # with hooks, which forward hooks can read the input after.
+    has_hooks = getattr(nn.modules.module, "_has_any_global_hook", None)
+    return has_hooks is None or bool(has_hooks())
+
+
+def _calibrate() -> _call_site.Calibration | None:
+    """Reference counts at forward for a temporary and for a named tensor, once per process.
+    None while global module hooks or a jit trace change the call path (measured again later);
+    a calibration whose frames differ between the two calls trusts nothing."""
+    global _calibration
+    if _calibration is None and not (_global_hooks() or torch.jit.is_tracing()):
+        probe = _Probe()
+        temporary, frames = probe(torch.empty(0))
+        tensor = torch.empty(0)
+        named, named_frames = probe(tensor)
+        if frames is None or frames != named_frames:
+            frames = (None, -1, None, -1)  # matches no call
+        _calibration = _call_site.Calibration(temporary, named, frames)
+    return _calibration
+
+
+class _InplaceModule:
+    """Mixin: decides per call whether forward may overwrite its input (module docstring)."""
+
+    always_inplace: bool
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, inplace=True"
+        opt_out = ", always_inplace=True" if self.always_inplace else ""
+        return f"{super().extra_repr()}, inplace=True{opt_out}"
+
+    def _overwrites(self, input: torch.Tensor) -> bool:
+        """Whether forward may overwrite input. Call it from forward, directly: the reference
+        count is read from a fixed number of frames up."""
+        if self.always_inplace:
+            return True
+        if _is_compiling():
+            return False
+        calibration = _calibration or _calibrate()
+        if calibration is None or not _call_site.held_by_call_only(input, calibration):
+            reason = (
+                "its input may be read after the call (another Python reference to it, or a "
+                "call other than module(x) with one positional argument and no hooks)"
+            )
+        elif not _C._sole_tensor_owner(input):
+            reason = "another tensor, a view or autograd shares its input's memory"
+        elif input.requires_grad and input.is_leaf and torch.is_grad_enabled():
+            reason = "its input is a leaf that requires grad"
+        else:
+            return True
+        if type(self) not in _warned:
+            _warned.add(type(self))
+            warnings.warn(
+                f"{type(self).__name__} ran out of place: {reason}. Later fallbacks of "
+                f"{type(self).__name__} are not reported. Pass always_inplace=True where the "
+                "input is known to be dead, or use make_torch_inplace.convert(model).",
+                InplaceFallbackWarning,
+                stacklevel=5,  # the module's caller, past forward, _call_impl and __call__
+            )
+        return False
 
 
-class InplaceLinear(_SaysInplace, nn.Linear):
-    """nn.Linear with a square weight whose forward overwrites its input: x <- x @ W.T + b.
+class InplaceLinear(_InplaceModule, nn.Linear):
+    """nn.Linear with a square weight whose forward overwrites its input, x <- x @ W.T + b,
+    where the input is dead after the call (module docstring; always_inplace=True: always).
 
     The weight must not require grad while autograd records (its gradient needs the input,
-    which is gone); freeze it or run under torch.no_grad()/inference_mode().
+    which is gone); freeze it or run under torch.no_grad()/inference_mode(). That error is
+    raised whether or not this call would have run in place.
     """
 
     def __init__(
@@ -53,6 +150,8 @@ class InplaceLinear(_SaysInplace, nn.Linear):
         bias: bool = True,
         device=None,
         dtype=None,
+        *,
+        always_inplace: bool = False,
     ) -> None:
         if in_features != out_features:
             raise ValueError(
@@ -60,40 +159,60 @@ class InplaceLinear(_SaysInplace, nn.Linear):
                 f"in_features={in_features}, out_features={out_features}"
             )
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.always_inplace = bool(always_inplace)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> InplaceLinear:
+    def from_linear(cls, linear: nn.Linear, *, always_inplace: bool = False) -> InplaceLinear:
         """An InplaceLinear sharing `linear`'s weight and bias (no copy)."""
-        return _adopt(
-            cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta"),
-            linear,
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            device="meta",
+            always_inplace=always_inplace,
         )
+        return _adopt(new, linear)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return ops.linear_(input, self.weight, self.bias)
+        # A trainable weight goes to linear_, which refuses it before writing anything, so
+        # training with this module fails the same way on every call.
+        if (torch.is_grad_enabled() and self.weight.requires_grad) or self._overwrites(input):
+            return ops.linear_(input, self.weight, self.bias)
+        return super().forward(input)
 
 
-class InplaceSoftmax(_SaysInplace, nn.Softmax):
-    """nn.Softmax whose forward overwrites its input. dim must be given (no implicit dim)."""
+class InplaceSoftmax(_InplaceModule, nn.Softmax):
+    """nn.Softmax whose forward overwrites its input where it is dead after the call (module
+    docstring). dim must be given (no implicit dim)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, *, always_inplace: bool = False) -> None:
         if not isinstance(dim, int):
             raise ValueError(f"InplaceSoftmax: dim must be an int, got {dim!r}")
         super().__init__(dim)
+        self.always_inplace = bool(always_inplace)
 
     @classmethod
-    def from_softmax(cls, softmax: nn.Softmax) -> InplaceSoftmax:
-        return _adopt(cls(softmax.dim), softmax)
+    def from_softmax(cls, softmax: nn.Softmax, *, always_inplace: bool = False) -> InplaceSoftmax:
+        return _adopt(cls(softmax.dim, always_inplace=always_inplace), softmax)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return ops.softmax_(input, self.dim)
+        if self._overwrites(input):
+            return ops.softmax_(input, self.dim)
+        return super().forward(input)
 
 
-class InplaceLayerNorm(_SaysInplace, nn.LayerNorm):
-    """nn.LayerNorm whose forward overwrites its input."""
+class InplaceLayerNorm(_InplaceModule, nn.LayerNorm):
+    """nn.LayerNorm whose forward overwrites its input where it is dead after the call (module
+    docstring). Takes nn.LayerNorm's arguments and always_inplace."""
+
+    def __init__(self, *args, always_inplace: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.always_inplace = bool(always_inplace)
 
     @classmethod
-    def from_layer_norm(cls, norm: nn.LayerNorm) -> InplaceLayerNorm:
+    def from_layer_norm(
+        cls, norm: nn.LayerNorm, *, always_inplace: bool = False
+    ) -> InplaceLayerNorm:
         """An InplaceLayerNorm sharing `norm`'s weight and bias (no copy)."""
         new = cls(
             norm.normalized_shape,
@@ -101,54 +220,38 @@ class InplaceLayerNorm(_SaysInplace, nn.LayerNorm):
             elementwise_affine=norm.elementwise_affine,
             bias=norm.bias is not None,
             device="meta",
+            always_inplace=always_inplace,
         )
         return _adopt(new, norm)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return ops.layer_norm_(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        if self._overwrites(input):
+            return ops.layer_norm_(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        return super().forward(input)
 
 
-class InplaceRMSNorm(_SaysInplace, nn.RMSNorm):
-    """nn.RMSNorm whose forward overwrites its input (eps=None: torch.finfo(x.dtype).eps)."""
+class InplaceRMSNorm(_InplaceModule, nn.RMSNorm):
+    """nn.RMSNorm whose forward overwrites its input where it is dead after the call (module
+    docstring; eps=None: torch.finfo(x.dtype).eps). Takes nn.RMSNorm's arguments and
+    always_inplace."""
+
+    def __init__(self, *args, always_inplace: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.always_inplace = bool(always_inplace)
 
     @classmethod
-    def from_rms_norm(cls, norm: nn.RMSNorm) -> InplaceRMSNorm:
+    def from_rms_norm(cls, norm: nn.RMSNorm, *, always_inplace: bool = False) -> InplaceRMSNorm:
         """An InplaceRMSNorm sharing `norm`'s weight (no copy)."""
         new = cls(
             norm.normalized_shape,
             eps=norm.eps,
             elementwise_affine=norm.elementwise_affine,
             device="meta",
+            always_inplace=always_inplace,
         )
         return _adopt(new, norm)
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm_(input, self.normalized_shape, self.weight, self.eps)
-
-
-class InplaceCrossEntropyLoss(_SaysInplace, nn.CrossEntropyLoss):
-    """nn.CrossEntropyLoss whose forward overwrites the logits with their gradient
-    (ops.cross_entropy_). The classes are the last dim of the logits (..., V), which is
-    nn.CrossEntropyLoss's layout for (N, V) input; class weights are not supported."""
-
-    def __init__(
-        self,
-        weight: torch.Tensor | None = None,
-        ignore_index: int = -100,
-        reduction: str = "mean",
-        label_smoothing: float = 0.0,
-    ) -> None:
-        if weight is not None:
-            raise ValueError("InplaceCrossEntropyLoss: class weights are not supported")
-        super().__init__(
-            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
-        )
-
-    @classmethod
-    def from_cross_entropy_loss(cls, loss: nn.CrossEntropyLoss) -> InplaceCrossEntropyLoss:
-        return cls(loss.weight, loss.ignore_index, loss.reduction, loss.label_smoothing)
-
-    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return ops.cross_entropy_(
-            input, target, self.ignore_index, self.reduction, self.label_smoothing
-        )
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # nn.RMSNorm's argument name
+        if self._overwrites(x):
+            return ops.rms_norm_(x, self.normalized_shape, self.weight, self.eps)
+        return super().forward(x)

@@ -99,7 +99,9 @@ def square_matmul_(
 
     Scratch memory is bounded by workspace_bytes (default: the global workspace limit); with 0,
     with room for chunks of fewer than 8 rows on CUDA (cuBLAS is less accurate on so few), or
-    when the workspace cannot be allocated, a kernel that needs none is used.
+    when the workspace cannot be allocated, a kernel that needs none is used. On the CPU that
+    kernel copies blocks of at most 128 rows aside before overwriting them: at most 128 x K
+    elements per thread (twice that where x's rows are not one strided matrix).
     """
     ws = _workspace_limit if workspace_bytes is None else _check_workspace_bytes(workspace_bytes)
     # _needs_autograd spelled out: for a small x this wrapper's Python work is a noticeable

@@ -3,6 +3,7 @@ converted call computes what the model computes (against an fp64 copy, PyTorch's
 the yardstick) and never writes its inputs or parameters."""
 
 import copy
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -97,5 +98,41 @@ def check_converted(model, *inputs, mode=torch.no_grad):
     return converted
 
 
+def sites_of(converted):
+    """Every site, with the sites another took over (attention_in_pieces: its softmax_)."""
+    return [part for s in converted.sites for part in (s, *s.parts)]
+
+
 def ops_of(converted):
-    return [s.op for s in converted.sites]
+    """The in-place ops of every site (a site of several elementwise ops lists them all)."""
+    return [op for s in sites_of(converted) for op in s.op.split(", ")]
+
+
+def record_graphs(monkeypatch) -> list:
+    """The graphs convert's backend rewrites from now on (for each capture, and for each
+    class of sizes whose masks differ), each appended once rewritten."""
+    rewrite_module = importlib.import_module("make_torch_inplace.convert.rewrite")
+    graphs = []
+    rewrite = rewrite_module._rewrite_graph
+
+    def recording(gm, report=None, constants=None):
+        sites = rewrite(gm, report, constants)
+        graphs.append(gm.graph)
+        return sites
+
+    monkeypatch.setattr(rewrite_module, "_rewrite_graph", recording)
+    return graphs
+
+
+def count_captures(monkeypatch) -> list:
+    """The graphs Dynamo hands convert's backends from now on: one per capture."""
+    runtime = importlib.import_module("make_torch_inplace.convert.runtime")
+    captured = []
+    backend_call = runtime._Backend.__call__
+
+    def counting(self, gm, example_inputs):
+        captured.append(gm)
+        return backend_call(self, gm, example_inputs)
+
+    monkeypatch.setattr(runtime._Backend, "__call__", counting)
+    return captured

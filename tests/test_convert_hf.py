@@ -3,12 +3,11 @@ models compute what the originals compute, rewrite the sites expected of each fa
 the model's attributes (config, generate)."""
 
 import contextlib
-import importlib
 
 import pytest
 import torch
 import torch.nn.functional as F
-from convert_helpers import HEADS, D, check_converted, ops_of
+from convert_helpers import HEADS, D, check_converted, ops_of, record_graphs, sites_of
 from helpers import DEVICES
 from torch import nn
 
@@ -90,7 +89,7 @@ def test_transformers(kind, attn, limit, device):
         converted = check_converted(
             _LastHiddenState(model).to(device), ids.to(device), mask.to(device)
         )
-    sites = converted.sites
+    sites = sites_of(converted)
     layers = config.num_hidden_layers
     softmaxes = [s for s in sites if s.op == "softmax_"]
     assert len(softmaxes) == (layers if attn == "eager" else 0)
@@ -121,16 +120,7 @@ def test_transformers_without_padding_mask(kind, attn, monkeypatch):
     """Without attention_mask, eager mode passes SDPA no mask (or is_causal) and eager
     attention at most a causal one; under torch.compile transformers may build the mask from
     sizes anyway. No mask tensor reaches SDPA or softmax_ in the converted graphs."""
-    rewrite_module = importlib.import_module("make_torch_inplace.convert.rewrite")
-    graphs = []
-    rewrite = rewrite_module._rewrite_graph
-
-    def recording(gm, report=None):
-        sites = rewrite(gm, report)
-        graphs.append(gm.graph)
-        return sites
-
-    monkeypatch.setattr(rewrite_module, "_rewrite_graph", recording)
+    graphs = record_graphs(monkeypatch)
     model, _ = _hf_model(kind, attn)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     check_converted(_InputIdsOnly(model), ids)

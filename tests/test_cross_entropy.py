@@ -1,7 +1,7 @@
 """cross_entropy_: the loss and the gradient written over the logits against F.cross_entropy
 in fp64 (computed before the op), with PyTorch's own fp32 computation on logits.float() as the
 yardstick (helpers.assert_accurate); every reduction, ignore_index, label smoothing, row
-layouts; autograd through a Linear against the out-of-place loss; the module; torch.compile.
+layouts; autograd through a Linear against the out-of-place loss; torch.compile.
 Bad input: tests/test_bad_input.py (and the CUDA device-side target check here)."""
 
 import math
@@ -308,19 +308,6 @@ def test_logits_hold_the_gradient_without_autograd(device):
             y = x.clone()
             mti.cross_entropy_(y, target)
         torch.testing.assert_close(y, expected)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_module(device):
-    torch_module = torch.nn.CrossEntropyLoss(ignore_index=3, reduction="sum", label_smoothing=0.2)
-    module = mti.nn.InplaceCrossEntropyLoss.from_cross_entropy_loss(torch_module)
-    assert "inplace=True" in repr(module)
-    x = randn((6, 10), torch.float32, device, seed=7)
-    target = make_target((6,), 10, 3, seed=7).to(device)
-    expected = torch_module(x, target)
-    torch.testing.assert_close(module(x, target), expected)
-    with pytest.raises(ValueError, match="class weights"):
-        mti.nn.InplaceCrossEntropyLoss(weight=torch.ones(10))
 
 
 # --------------------------------------------------------------------------- torch.compile

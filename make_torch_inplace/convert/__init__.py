@@ -39,12 +39,24 @@ least one T x S matrix) is ever allocated. In-place ops alone cannot go below th
 scores plus q, k, v and the hidden state, more than half of eager's peak (which holds two
 score-sized tensors), for a model like BERT.
 
-Constant attention masks: the model is captured with static shapes, so a mask computed from
-sizes alone (transformers builds one under torch.compile where eager mode passes none) is
-computed once at capture (_Constants). One that keeps every element is dropped; one that keeps
-exactly j <= i becomes ``is_causal=True`` for scaled_dot_product_attention and ``causal=True``
-for softmax_ (also from ``torch.where(mask, x, lowest)``). SDPA then keeps its flash kernel,
-and no S x S mask is built.
+Masks computed from sizes alone: the model is captured with dynamic shapes, and transformers
+builds a mask from the sizes under torch.compile where eager mode passes none. The backend
+computes such a mask for the sizes of a call, on the CPU (_Constants): one that keeps every
+element is dropped; one that keeps exactly j <= i becomes ``is_causal=True`` for
+scaled_dot_product_attention and ``causal=True`` for softmax_ (also from
+``torch.where(mask, x, lowest)``); any other is kept as computed. SDPA then keeps its flash
+kernel, and no S x S mask is built. The class of a mask may change with the sizes (a sliding
+window is causal up to its width), so each class of sizes runs a rewrite of its own
+(runtime._SizeClasses): a call with sizes seen before costs a dict lookup, one with new sizes
+evaluates the masks once, on the CPU, and picks the rewrite whose answers match or makes one
+from the captured graph (no new capture). Conditions of a rewrite on the sizes themselves
+(probs @ v over the probabilities needs the head dim <= the length) are classes alike.
+``torch.where(keep_all, x, fill)`` or ``x + zeros`` is x itself where nothing writes either
+(T5's position bias, which transformers masks in every layer under torch.compile).
+
+Never worse: each rewrite's report (rewrite.GraphReport) holds the peak bytes of the graph's
+tensors as captured and as rewritten (liveness.tensor_peak); a graph whose rewrites would
+raise that peak runs as captured.
 
 Modules: runtime (ConvertedModule, its backend and its calls), rewrite (the rewriter and Site),
 liveness (aliasing groups and their last reads), patterns (the ops recognised and their
@@ -75,11 +87,17 @@ def convert(model: nn.Module, verbose: bool = False) -> ConvertedModule:
 
     An op writes over its input only where that input is dead: read by nothing later, not a
     model input, parameter or buffer, not visible through a view that is still used. The
-    model is captured with torch.compile on its first call and again for each new input
-    shape (static shapes; past 64 captures of a model class Dynamo runs it unconverted); with
-    ``verbose=True`` each capture prints the rewritten sites and the bytes each saves, which
-    also accumulate in ``ConvertedModule.sites``. `model` itself is left unchanged and shares
-    its parameters with the result.
+    model is captured with torch.compile on its first call, with dynamic shapes: one capture
+    serves every sequence length and batch size, including a generation loop's tokens.
+    Dynamo specialises a size of 1 (a batch of one, one new token), which costs one more
+    capture; a new dtype, device or layout captures anew, and past 64 captures of a model
+    class Dynamo runs it unconverted (with a RuntimeWarning). With ``verbose=True`` each
+    rewrite prints its report: one line per rewritten site with the bytes it no longer
+    allocates, and the peak of the graph's tensors before and after (also
+    ``ConvertedModule.report()``; the sites accumulate in ``ConvertedModule.sites``). `model`
+    itself is left unchanged and shares its parameters
+    with the result; its methods called through the result (``generate``) run the converted
+    forward wherever they call the model.
 
     Inference only: running the result where autograd would record (grad mode on and a
     parameter or input that requires grad) raises RuntimeError; use torch.no_grad() or

@@ -23,6 +23,8 @@ def _resolve(module: str, name: str | None = None):
         return None
 
 
+# Sizes' expressions, to evaluate a symbolic size for given values of its symbols.
+_sympy = _resolve("sympy")
 # Pytrees: flattening nested containers the way torch.compile does.
 _pytree = _resolve("torch.utils._pytree")
 # Whether a SymBool holds for every value of its symbols, without adding a guard.
@@ -34,8 +36,9 @@ _unset_fake_temporarily = _resolve("torch._subclasses.fake_tensor", "unset_fake_
 # Dynamo's run-only mode: the C-level switch and the counter that CUDA graph trees read.
 _set_eval_frame = _resolve("torch._C._dynamo.eval_frame", "set_eval_frame")
 _GenerationTracker = _resolve("torch._dynamo.mutation_guard", "GenerationTracker")
-# Dynamo's settings (static shapes, the recompile limit).
+# Dynamo's settings (dynamic shapes, the recompile limit) and its symbolic shapes' settings.
 _dynamo_config = _resolve("torch._dynamo.config")
+_shapes_config = _resolve("torch.fx.experimental._config")
 # The GraphModule that generates its code at its first call.
 _LazyGraphModule = _resolve("torch.fx._lazy_graph_module", "_LazyGraphModule")
 # Dispatcher ops, whose schemas tell whether they return anything.
@@ -77,9 +80,35 @@ def known_true(condition) -> bool:
     return condition if isinstance(condition, bool) else False
 
 
+def proves_sizes() -> bool:
+    """Whether known_true can prove conditions on symbolic sizes (else it answers False)."""
+    return _statically_known_true is not None
+
+
 def size_hint(size) -> int | None:
     """A SymInt's value in the traced example (its node's hint), None where unknown."""
     return getattr(getattr(size, "node", None), "hint", None)
+
+
+def size_expr(size):
+    """A SymInt's (or SymBool's) sympy expression, None for an int or where this torch has
+    none."""
+    return getattr(getattr(size, "node", None), "expr", None)
+
+
+def evaluate_size(size, values: dict) -> int | bool | None:
+    """`size` (an int or a SymInt, or a bool or a SymBool of sizes) where the sympy symbols in
+    `values` take those values, or None where it depends on other symbols or this torch
+    cannot tell."""
+    if isinstance(size, (int, bool)):
+        return size
+    expr = size_expr(size)
+    if expr is None or _sympy is None:
+        return None
+    value = expr.xreplace({s: _sympy.Integer(v) for s, v in values.items()})
+    if value is _sympy.true or value is _sympy.false:
+        return bool(value)
+    return int(value) if value.is_Integer else None
 
 
 def storage_key(t: torch.Tensor) -> Hashable | None:
@@ -111,13 +140,18 @@ def run_cached(module: torch.nn.Module, args, kwargs, compiled: Callable):
         _set_eval_frame(prior)
 
 
-def dynamo_config(settings: dict) -> contextlib.AbstractContextManager:
-    """A context with Dynamo's config patched to `settings`, the ones this torch has. A
-    setting it lacks, or all of them, stays at Dynamo's default: the backend also handles
-    symbolic shapes, and past the default recompile limit Dynamo runs the original forward."""
-    if _dynamo_config is None:
-        return contextlib.nullcontext()
-    return _dynamo_config.patch({k: v for k, v in settings.items() if hasattr(_dynamo_config, k)})
+def dynamo_config(settings: dict, shape_settings: dict) -> contextlib.AbstractContextManager:
+    """A context with Dynamo's config patched to `settings` and that of its symbolic shapes to
+    `shape_settings`, the ones this torch has. A setting it lacks, or all of them, stays at
+    Dynamo's default: the backend handles static and symbolic shapes alike, and past the
+    default recompile limit Dynamo runs the original forward."""
+    stack = contextlib.ExitStack()
+    for config, patch in ((_dynamo_config, settings), (_shapes_config, shape_settings)):
+        if config is not None:
+            stack.enter_context(
+                config.patch({k: v for k, v in patch.items() if hasattr(config, k)})
+            )
+    return stack
 
 
 def generate_code(gm: torch.fx.GraphModule) -> None:

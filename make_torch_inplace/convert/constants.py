@@ -1,5 +1,5 @@
-"""Values computed from sizes and constants alone, attention masks above all, evaluated once at
-capture to tell what a mask keeps."""
+"""Values computed from sizes and constants alone, attention masks above all, evaluated for given
+sizes to tell what a mask keeps."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import torch
 from torch import fx
 
 from . import _compat
-from .fake import _hint
 
 # Functions and Tensor methods that compute their result from their arguments alone, the ops
 # models build attention masks from (arange, comparisons, broadcasting, cumsum ...).
 _PURE_FUNCTIONS = {
+    torch.Size,
+    torch.sym_max,
+    torch.sym_min,
     torch.arange,
     torch.tensor,
     torch.scalar_tensor,
@@ -103,102 +105,182 @@ _PURE_METHODS = {
 
 
 class _Constants:
-    """The nodes whose value depends on no graph input: pure ops of constants and sizes.
+    """The nodes whose value depends on no graph input but sizes: pure ops of constants and of
+    the graph's size placeholders (the SymInts Dynamo passes for the sizes it keeps dynamic).
 
     Models build attention masks this way; transformers does so under torch.compile even
     where it passes no mask in eager mode (it cannot test the mask's values while tracing),
     which sends scaled_dot_product_attention from its flash kernel to a masked one, or to the
-    math path that materialises the scores. The converted model is captured with static
-    shapes (see ConvertedModule), so such a value is the same on every call of the graph:
-    computing it once here, on real tensors, tells what the mask keeps.
+    math path that materialises the scores. Such a value is the same on every call with the
+    same sizes: mask_kind computes it for `sizes` (the values of the size placeholders in
+    graph order; default: the traced example's), on the CPU, to tell what the mask keeps.
+    Each answer that depends on the sizes is kept in `queries` with the query, which tells it
+    again for other sizes: a graph rewritten on these answers is right for exactly the sizes
+    for which every query gives the same answer (see runtime._SizeClasses).
     """
 
-    def __init__(self, graph: fx.Graph) -> None:
-        self.nodes: set[fx.Node] = set()
+    def __init__(self, graph: fx.Graph, sizes: tuple[int, ...] | None = None) -> None:
+        placeholders = _size_placeholders(graph)
+        if sizes is None:
+            sizes = tuple(_compat.size_hint(node.meta["example_value"]) for _, node in placeholders)
+        self.sizes = sizes
+        # Each size placeholder's index in `sizes`, and the sympy symbol it stands for.
+        self._index = {node: i for i, (_, node) in enumerate(placeholders)}
+        self._symbols = {
+            _compat.size_expr(node.meta["example_value"]): i
+            for i, (_, node) in enumerate(placeholders)
+        }
+        self.nodes: set[fx.Node] = set(self._index)
         for node in graph.nodes:
             pure = (node.op == "call_function" and _hashable_in(node.target, _PURE_FUNCTIONS)) or (
                 node.op == "call_method" and node.target in _PURE_METHODS
             )
-            if pure and _static(node) and all(i in self.nodes for i in node.all_input_nodes):
+            if pure and all(i in self.nodes for i in node.all_input_nodes):
                 self.nodes.add(node)
-        self._values: dict[fx.Node, object] = {}
+        self.queries: list[tuple[_MaskQuery, str | None]] = []
 
-    def value(self, node: fx.Node):
-        """node's real value, or None if it is not constant or computing it failed."""
-        if node not in self.nodes:
+    def mask_kind(self, mask, shape, added: bool = False) -> str | None:
+        """What an attention mask broadcast to `shape` (..., q, k) keeps for these sizes:
+        "all" (every element), "causal" (exactly j <= i), or None (something else, or
+        unknown). A bool mask keeps its True elements, unless it is `added` to the scores
+        (as 0 or 1: no mask); a float mask is additive, keeping its zeros and dropping -inf
+        or the lowest finite value of its dtype."""
+        if not isinstance(mask, fx.Node) or mask not in self.nodes or len(shape) < 2:
             return None
-        if node not in self._values:
-            self._values[node] = None
-            real = _compat.real_tensors()
-            if real is None:  # no way to compute on real tensors here: nothing is known
-                return None
-            with real, torch.no_grad():
-                try:
-                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), self._input)
-                    if node.op == "call_function":
-                        self._values[node] = node.target(*args, **kwargs)
-                    else:
-                        self_arg, *rest = args
-                        self._values[node] = getattr(self_arg, node.target)(*rest, **kwargs)
-                except (_NotConstant, RuntimeError, TypeError, ValueError, IndexError):
-                    pass  # an input is unknown, or an unusual argument: stays unknown
-        return self._values[node]
+        query = _MaskQuery(mask, shape, added, self)
+        kind = query.kind(self.sizes)
+        if query.uses_sizes:
+            self.queries.append((query, kind))
+        return kind
 
-    def _input(self, node: fx.Node):
-        value = self.value(node)
-        if value is None:
-            raise _NotConstant
-        return value
-
-    def mask_kind(self, mask, shape) -> str | None:
-        """What an attention mask broadcast to `shape` (..., q, k) keeps: "all" (every
-        element), "causal" (exactly j <= i), or None (something else, or unknown). A bool
-        mask keeps its True elements; a float mask is additive, keeping its zeros and
-        dropping -inf or the lowest finite value of its dtype; anything else is unknown."""
-        if not isinstance(mask, fx.Node) or len(shape) < 2:
-            return None
-        m = self.value(mask)
-        if not isinstance(m, torch.Tensor) or m.dim() > len(shape):
-            return None
-        shape = tuple(_hint(s) for s in shape)
-        with _compat.real_tensors(), torch.no_grad():  # (m was computed, so there is one)
-            if m.dtype == torch.bool:
-                keep = m
-            elif m.is_floating_point():
-                keep = m == 0
-                if not (keep | (m <= torch.finfo(m.dtype).min)).all():
-                    return None
-            else:
-                return None
-            try:
-                keep = keep.expand(shape)
-            except RuntimeError:  # would not broadcast to the scores without growing them
-                return None
-            if keep.all():
-                return "all"
-            q, k = shape[-2:]
-            causal = torch.ones(q, k, dtype=torch.bool, device=keep.device).tril()
-            return "causal" if torch.equal(keep, causal.expand(shape)) else None
+    def holds(self, condition) -> bool:
+        """Whether `condition` (a bool, or a SymBool of sizes) holds for these sizes; False
+        where that is unknown."""
+        if isinstance(condition, bool) or _compat.known_true(condition):
+            return bool(condition)
+        query = _SizeQuery(condition, self._symbols)
+        answer = query.kind(self.sizes)
+        self.queries.append((query, answer))
+        return answer is True
 
     def erase_unused(self, graph: fx.Graph) -> None:
         for node in reversed(graph.nodes):
-            if node in self.nodes and not node.users:
+            if node in self.nodes and not node.users and node.op != "placeholder":
                 graph.erase_node(node)
                 self.nodes.discard(node)
 
 
-class _NotConstant(Exception):
-    pass
+class _MaskQuery:
+    """What one mask keeps, as a function of the sizes: the steps that compute the mask from
+    constants and size placeholders (copied, so the graph may change afterwards), and the
+    shape of the scores it is broadcast to."""
+
+    def __init__(self, mask: fx.Node, shape, added: bool, constants: _Constants) -> None:
+        needed = {mask}
+        steps = []
+        for node in reversed(mask.graph.nodes):  # the mask's ancestors, in graph order
+            if node in needed:
+                needed.update(node.all_input_nodes)
+                index = constants._index.get(node)
+                steps.append((node, index, node.op, node.target, node.args, node.kwargs))
+        self._steps = steps[::-1]
+        self._mask = mask
+        self._added = added
+        self._shape = tuple(shape)
+        self._symbols = constants._symbols
+        self.uses_sizes = any(index is not None for _, index, *_ in steps) or not all(
+            isinstance(s, int) for s in self._shape
+        )
+
+    def kind(self, sizes: tuple[int, ...]) -> str | None:
+        shape = tuple(_compat.evaluate_size(s, _values(self._symbols, sizes)) for s in self._shape)
+        real = _compat.real_tensors()
+        if real is None or None in shape or None in sizes:  # no real tensors, or sizes unknown
+            return None
+        with real, torch.no_grad():
+            try:
+                return _classify(self._evaluate(sizes), shape, self._added)
+            except (RuntimeError, TypeError, ValueError, IndexError):
+                return None  # an unusual argument: unknown
+
+    def _evaluate(self, sizes: tuple[int, ...]):
+        """The mask's value for these sizes, computed on the CPU."""
+        env = {}
+        for node, index, op, target, args, kwargs in self._steps:
+            if index is not None:
+                env[node] = sizes[index]
+                continue
+            args, kwargs = fx.node.map_arg((args, kwargs), env.__getitem__)
+            args, kwargs = _on_cpu(args), {k: _on_cpu(v, k) for k, v in kwargs.items()}
+            if op == "call_function":
+                env[node] = target(*args, **kwargs)
+            else:
+                self_arg, *rest = args
+                if target == "to":  # .to("cuda"): a device given as a string
+                    rest = [_on_cpu(a, "device") if isinstance(a, str) else a for a in rest]
+                env[node] = getattr(self_arg, target)(*rest, **kwargs)
+        return env[self._mask]
 
 
-def _static(node: fx.Node) -> bool:
-    """node's value has no symbolic size (which would make it differ between calls)."""
-    return all(
-        isinstance(s, int)
-        for t in _compat.tree_leaves(node.meta.get("example_value"))
-        if isinstance(t, torch.Tensor)
-        for s in (*t.shape, *t.stride())
-    )
+class _SizeQuery:
+    """Whether a condition on sizes (a SymBool) holds, as a function of the sizes."""
+
+    def __init__(self, condition, symbols: dict) -> None:
+        self._condition = condition
+        self._symbols = symbols
+
+    def kind(self, sizes: tuple[int, ...]) -> bool | None:
+        value = _compat.evaluate_size(self._condition, _values(self._symbols, sizes))
+        return value if isinstance(value, bool) else None
+
+
+def _values(symbols: dict, sizes: tuple) -> dict:
+    """{sympy symbol: its value} for these sizes (each size placeholder's symbol -> index)."""
+    return {s: sizes[i] for s, i in symbols.items() if s is not None and sizes[i] is not None}
+
+
+def _classify(m, shape: tuple[int, ...], added: bool) -> str | None:
+    """What a mask value m broadcast to `shape` keeps (see _Constants.mask_kind). Only m's
+    own elements are compared: the dims it is broadcast along repeat them."""
+    if not isinstance(m, torch.Tensor) or m.dim() > len(shape):
+        return None
+    if torch.broadcast_shapes(m.shape, shape) != torch.Size(shape):
+        return None  # would grow the scores
+    if m.dtype == torch.bool and not added:
+        keep = m
+    elif m.is_floating_point():
+        keep = m == 0
+        if not (keep | (m <= torch.finfo(m.dtype).min)).all():
+            return None
+    else:
+        return None
+    if keep.all():
+        return "all"
+    q, k = shape[-2:]
+    keep = keep.expand(*keep.shape[:-2], q, k) if keep.dim() >= 2 else keep.expand(q, k)
+    causal = torch.ones(q, k, dtype=torch.bool, device=keep.device).tril()
+    return "causal" if torch.equal(keep, causal.expand(keep.shape)) else None
+
+
+def _on_cpu(value, name: str | None = None):
+    """An argument of a mask's step with its device replaced by the CPU's: a mask is
+    classified on the CPU, with no device memory and no launches. Mask steps compute on
+    integers and compare, which give the same values on every device."""
+    if isinstance(value, torch.device) or (name == "device" and value is not None):
+        return torch.device("cpu")
+    if type(value) in (list, tuple):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
+
+
+def _size_placeholders(graph: fx.Graph) -> list[tuple[int, fx.Node]]:
+    """(position among the graph's inputs, node) of each placeholder of a dynamic size."""
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    return [
+        (i, node)
+        for i, node in enumerate(placeholders)
+        if isinstance(node.meta.get("example_value"), torch.SymInt)
+    ]
 
 
 def _hashable_in(target, collection) -> bool:

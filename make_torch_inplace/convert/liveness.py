@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable
 
+import torch
 from torch import fx
 
-from .fake import _drops_nothing, _storages
+from .. import ops
+from . import _compat, pieces
+from .fake import _drops_nothing, _hint, _storages, _tensor
 
 
 class _Liveness:
@@ -75,7 +79,10 @@ class _Liveness:
         return all(not (mine & self._roots(o)) for o in others)
 
     def merge(self, old: fx.Node, target: fx.Node) -> None:
-        """`old`'s storage now is `target`'s (old was rewritten to write over target)."""
+        """`old`'s storage now is `target`'s (old was rewritten to write over target, or
+        replaced by it: then no node may hold old's storage any more)."""
+        for key in _storages(old):
+            self._parent.setdefault(key, key)
         keep = self._root(next(iter(_storages(target))))
         for root in self._roots(old) | self._roots(target):
             if root != keep:
@@ -85,3 +92,70 @@ class _Liveness:
                 )
                 if root in self._inputs:
                     self._inputs.add(keep)
+
+
+def tensor_peak(graph: fx.Graph) -> int:
+    """Peak bytes of the graph's own tensors while it runs, at the capture's sizes: each
+    storage that a node makes (one no earlier node holds, and no model input or parameter)
+    is held from that node to the last node reading any tensor sharing it (to the end, if
+    the graph returns one), and the helpers of rewritten graphs hold their workspaces while
+    they run (workspace_bytes). Storages are told apart by the example values' fake storages,
+    as in _Liveness; two nodes that are the same tensor at run time (an eval-mode dropout)
+    count once."""
+    last: dict[Hashable, int] = {}
+    size: dict[Hashable, int] = {}
+    born: dict[Hashable, int] = {}
+    inputs: set[Hashable] = set()
+    nodes = list(graph.nodes)
+    for i, node in enumerate(nodes):
+        for key, nbytes in _storage_bytes(node):
+            if node.op in ("placeholder", "get_attr"):
+                inputs.add(key)
+            if key not in size:
+                size[key], born[key] = nbytes, i
+        for inp in node.all_input_nodes:
+            for key, _ in _storage_bytes(inp):
+                last[key] = len(nodes) if node.op == "output" else i
+    delta = [0] * (len(nodes) + 2)
+    for key, nbytes in size.items():
+        if key not in inputs:
+            delta[born[key]] += nbytes
+            delta[max(last.get(key, born[key]), born[key]) + 1] -= nbytes
+    peak = held = 0
+    for i, node in enumerate(nodes):
+        held += delta[i]
+        peak = max(peak, held + workspace_bytes(node))
+    return peak
+
+
+def _storage_bytes(node: fx.Node) -> list[tuple[Hashable, int]]:
+    return [
+        (_compat.storage_key(t), _hint(t.untyped_storage().nbytes()))
+        for t in _compat.tree_leaves(node.meta.get("example_value"))
+        if isinstance(t, torch.Tensor)
+    ]
+
+
+def workspace_bytes(node: fx.Node) -> int:
+    """Memory a helper of a rewritten graph allocates while it runs, besides its result:
+    square_matmul_over_dead its workspace or the out-of-place product (at most the workspace
+    limit or the product), attention_in_pieces one piece of scores, matmul_over_left one
+    piece of its product (pieces.py says how they size them)."""
+    if node.op != "call_function":
+        return 0
+    if node.target is pieces.square_matmul_over_dead:
+        x = _tensor(node.args[0])
+        return min(_hint(x.numel()) * x.element_size(), ops.get_workspace_limit())
+    if node.target is pieces.attention_in_pieces:
+        q, k_t = _tensor(node.args[0]), _tensor(node.args[1])
+        *batch, t, _ = (_hint(s) for s in q.shape)
+        matrix = max(1, t * _hint(k_t.shape[-1]) * q.element_size())
+        heads = batch[-1]
+        return max(1, min(heads, ops.get_workspace_limit() // matrix)) * matrix
+    if node.target is pieces.matmul_over_left:
+        out = _tensor(node)
+        *batch, m, n = (_hint(s) for s in out.shape)
+        matrix = max(1, m * n * out.element_size())
+        step = max(1, pieces._OVER_LEFT_PIECE_BYTES // matrix)
+        return min(math.prod(batch), step) * matrix
+    return 0

@@ -207,7 +207,7 @@ def _split_mask(node: fx.Node, constants: _Constants) -> list[tuple[fx.Node, fx.
         if t is None or not _inplace_ok(t, out, mti_op=True):
             continue
         if family == "add":
-            kind = constants.mask_kind(mask, out.shape)
+            kind = constants.mask_kind(mask, out.shape, added=True)
         if kind is not None:
             pairs.append((p, None, kind == "causal"))
         elif _tensor(mask) is not None:

@@ -4,6 +4,7 @@ in-place form (see the package's docstring for the rules)."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -21,10 +22,12 @@ from .fake import (
     _mask_ok,
     _returns_input,
     _same,
+    _same_layout,
+    _storages,
     _tensor,
     _unanalyzable_node,
 )
-from .liveness import _Liveness
+from .liveness import _Liveness, tensor_peak
 from .patterns import (
     _DEFAULTS,
     _ELEMENTWISE,
@@ -54,20 +57,63 @@ class Site:
     # attention_in_pieces as much for its scores (at least one matrix) and allocates the
     # product of probs @ v (unless that goes over the scores), and matmul_over_left a piece of
     # its product (_OVER_LEFT_PIECE_BYTES, at least one matrix), so their net saving is
-    # nbytes minus that.
+    # nbytes minus that. Sites do not add up to a saving of the peak: GraphReport does that.
     nbytes: int
+    # Sites of the first pass that this one took over (attention_in_pieces: the softmax_
+    # of its scores), on this site's line and not counted again.
+    parts: tuple[Site, ...] = ()
 
     def __str__(self) -> str:
         shape = "x".join(map(str, self.shape))
         dtype = str(self.dtype).removeprefix("torch.")
         return (
-            f"{self.where}: {self.pattern} -> {self.op} [{shape} {dtype}] "
-            f"saves {self.nbytes:,} bytes"
+            f"{self.where}: {self.pattern} as {self.op} [{shape} {dtype}, "
+            f"{_mib(self.nbytes)} not allocated]"
         )
 
 
-def _rewrite_graph(gm: fx.GraphModule, report: Callable[[str], None] | None = None) -> list[Site]:
-    """Rewrites a Dynamo graph in place (see the package's docstring); returns the sites."""
+@dataclasses.dataclass(frozen=True)
+class GraphReport:
+    """The rewrites of one captured graph and what they do to its peak.
+
+    `before` and `after` are the peak bytes of the graph's own tensors (liveness.tensor_peak:
+    each value's storage held from the node that makes it to the last read of any tensor
+    sharing it, the output included, model inputs and parameters not; the workspaces of
+    square_matmul_, attention_in_pieces and matmul_over_left at their nodes) for the graph
+    as captured and as rewritten, at the capture's sizes. A rewrite only merges an output's
+    storage into its dead input's or drops a tensor, and PyTorch's in-place ops allocate
+    nothing, so the drop of this peak is what the rewrites save of the graph's memory; it
+    does not exceed the sum of the sites' bytes (every byte held at the new peak's moment
+    was either held before at that moment or is a workspace counted in `after`). Memory
+    that kernels allocate inside an op the rewrite left as it was is in neither figure.
+    """
+
+    sites: tuple[Site, ...]
+    before: int
+    after: int
+
+    def lines(self) -> list[str]:
+        saved = self.before - self.after
+        head = (
+            f"mti.convert: {len(self.sites)} sites; the graph's tensors peak at "
+            f"{_mib(self.after)} instead of {_mib(self.before)} (saves {_mib(saved)})"
+        )
+        return [head, *(f"  {site}" for site in self.sites)]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if abs(n) < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _rewrite_graph(
+    gm: fx.GraphModule,
+    report: Callable[[str], None] | None = None,
+    constants: _Constants | None = None,
+) -> GraphReport | None:
+    """Rewrites a Dynamo graph in place (see the package's docstring); returns what it did,
+    None if the graph was left unchanged because its aliasing is unknown. `constants`: the
+    graph's _Constants, which says for which sizes masks are evaluated (default: the traced
+    example's)."""
     blocker = _unanalyzable_node(gm.graph)
     if blocker is not None:
         if report:
@@ -76,10 +122,17 @@ def _rewrite_graph(gm: fx.GraphModule, report: Callable[[str], None] | None = No
                 f"({blocker.target}) is unknown (no example value, not a strided tensor, or "
                 f"storages this torch cannot tell apart)"
             )
-        return []
-    constants = _Constants(gm.graph)
+        return None
+    before = tensor_peak(gm.graph)
+    captured = fx.Graph()
+    captured.output(captured.graph_copy(gm.graph, {}))
+    constants = _Constants(gm.graph) if constants is None else constants
     sites = [_fold_sdpa_mask(node, constants) for node in list(gm.graph.nodes)]
+    dropped = [_drop_mask_keeping_all(node, constants) for node in list(gm.graph.nodes)]
     rewriter = _Rewriter(gm.graph, constants)
+    for site, old, kept in filter(None, dropped):
+        rewriter.live.merge(old, kept)  # the same tensor now
+        sites.append(site)
     rewriter.sites += [site for site in sites if site is not None]
     # Softmax first: it folds the scale and mask ops before them, which the elementwise
     # rewrites of the second pass would otherwise take.
@@ -91,11 +144,133 @@ def _rewrite_graph(gm: fx.GraphModule, report: Callable[[str], None] | None = No
     for node in list(gm.graph.nodes):
         rewriter.other(node)
     gm.graph.lint()
+    result = GraphReport(tuple(rewriter.sites), before, tensor_peak(gm.graph))
+    if result.after > before:
+        # Never worse: keeping an input alive in place of an output can hold a larger
+        # storage longer (an op over a view of a bigger tensor), and the rules above look at
+        # one op at a time. Then the graph runs as captured.
+        if report:
+            report(
+                f"mti.convert: graph left as captured: its rewrites would raise its tensors' "
+                f"peak from {_mib(before)} to {_mib(result.after)}"
+            )
+        gm.graph = captured
+        result = GraphReport((), before, before)
     gm.recompile()
-    if report:
-        for site in rewriter.sites:
-            report(f"mti.convert: {site}")
-    return rewriter.sites
+    if report and result.sites:
+        for line in result.lines():
+            report(line)
+    return result
+
+
+# Functions that write into their first argument: Python's augmented assignments, item
+# assignment.
+_WRITING_FUNCTIONS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.imatmul,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
+    operator.setitem,
+}
+
+
+def _may_write(node: fx.Node) -> bool:
+    """node may write into a tensor it is given: an in-place method or function (its name
+    ends in one underscore), an augmented assignment, inplace=True or out=."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.kwargs.get("inplace") or node.kwargs.get("out") is not None:
+        return True
+    if node.op == "call_function":
+        try:
+            if node.target in _WRITING_FUNCTIONS:
+                return True
+        except TypeError:  # an unhashable callable
+            pass
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def _drop_mask_keeping_all(node: fx.Node, constants: _Constants):
+    """torch.where(keep, p, fill) or p + mask, where the mask is constant and keeps every
+    element -> p itself; returns (site, node, p), or None. transformers builds such a mask
+    under torch.compile where eager mode passes none, and applies it to T5's position bias
+    in every layer: a copy of heads x T x T that the model as is never makes. Sharing p's
+    memory is safe where nothing writes into either tensor (nor any tensor sharing their
+    memory), p has the result's layout (or the result, p broadcast over a batch, is only
+    SDPA's mask: _broadcast_mask), and the result is not a graph output (the caller would
+    get p's memory); the rewriter then treats the two as one tensor."""
+    m = _match(node, ("where", "add"))
+    out = _tensor(node)
+    if m is None or out is None or any(_match(u, ("softmax", "log_softmax")) for u in node.users):
+        return None  # (a softmax takes such a mask in with its site, see _softmax_inputs)
+    family, a = m
+    if family == "where":
+        pairs = [(a["input"], a["condition"])]
+    elif a["alpha"] == 1:
+        pairs = [(a["input"], a["other"]), (a["other"], a["input"])]
+    else:
+        return None
+    for p, mask in pairs:
+        t, mt = _tensor(p), _tensor(mask)
+        if (
+            t is None
+            or mt is None
+            or (family == "add" and not mt.is_floating_point())  # a bool added is 0 or 1
+            or t.dtype != out.dtype
+            or t.device != out.device
+            or not (_same_layout(t, out) or _broadcast_mask(node, t, out))
+            or constants.mask_kind(mask, out.shape) != "all"
+            or not _unwritten(node.graph, [node, p])
+        ):
+            continue
+        node.replace_all_uses_with(p)
+        node.graph.erase_node(node)
+        site = Site(
+            op="(the masked tensor itself)",
+            pattern=f"{family} with a mask keeping every element",
+            where=_where(node),
+            shape=tuple(_hint(s) for s in out.shape),
+            dtype=out.dtype,
+            nbytes=out.untyped_storage().nbytes(),
+        )
+        return site, node, p
+    return None
+
+
+def _broadcast_mask(node: fx.Node, t: torch.Tensor, out: torch.Tensor) -> bool:
+    """node's value `out` is `t` broadcast (a batch of masks from one), and is read only as
+    scaled_dot_product_attention's attn_mask, which broadcasts t the same way itself."""
+    if t.dim() != out.dim() or not all(
+        _same(a, b) or _same(a, 1) for a, b in zip(t.shape, out.shape)
+    ):
+        return False
+    for user in node.users:
+        m = _match(user, ("sdpa",))
+        if m is None or m[1]["attn_mask"] is not node:
+            return False
+        if any(arg is node for k, arg in m[1].items() if k != "attn_mask"):
+            return False
+    return bool(node.users)
+
+
+def _unwritten(graph: fx.Graph, nodes: list[fx.Node]) -> bool:
+    """No node writes into (or may write into) these nodes' memory, and none of it is an
+    output of the graph."""
+    keys = set().union(*map(_storages, nodes))
+    sharing = {n for n in graph.nodes if _storages(n) & keys}
+    return not any(
+        _may_write(user) or user.op == "output" for n in sharing for user in n.users
+    ) and not any(_may_write(n) for n in sharing)
 
 
 def _fold_sdpa_mask(node: fx.Node, constants: _Constants) -> Site | None:
@@ -135,6 +310,9 @@ class _Rewriter:
         self.constants = constants
         self.live = _Liveness(graph)
         self.sites: list[Site] = []
+        # softmax_ nodes of the first pass -> their sites, which attention_in_pieces takes over
+        self._softmax_sites: dict[fx.Node, Site] = {}
+        self._last_elementwise: Site | None = None  # see _chain
 
     # ----------------------------------------------------------------- softmax (first pass)
 
@@ -177,10 +355,10 @@ class _Rewriter:
                     pattern[-1] += " (causal mask)"
                 if result is not node:
                     pattern.append(_name(result))
-                self._replace(
+                new = self._replace(
                     result, fn, (base,), kwargs, base, at=node, erase=[node, *reversed(folded)]
                 )
-                self._site(fn, pattern, node, result)
+                self._softmax_sites[new] = self._site(fn, pattern, node, result)
                 return
 
     def _unread_between(self, folded: list[fx.Node], node: fx.Node, operands) -> bool:
@@ -258,8 +436,30 @@ class _Rewriter:
             ):
                 kwargs = {k: a[k] for k in carried if a[k] != _DEFAULTS[family][k]}
                 self._replace(node, fn, (target, *others), kwargs, target)
-                self._site(fn, [family], node, node)
+                self._chain(self._site(fn, [family], node, node))
                 return
+
+    def _chain(self, site: Site) -> None:
+        """Elementwise ops rewritten one after the other from the same source line, with
+        outputs of one shape (an activation written as arithmetic: GELU's tanh form is six
+        ops) are one site: one line in the report, with the bytes of all the outputs they no
+        longer allocate, and their ops in `op`, comma-separated."""
+        last = self._last_elementwise
+        self._last_elementwise = site
+        if (
+            last is None
+            or (last.where, last.shape) != (site.where, site.shape)
+            or self.sites[-2:] != [last, site]
+        ):
+            return
+        joined = dataclasses.replace(
+            last,
+            op=f"{last.op}, {site.op}",
+            pattern=f"{last.pattern}, {site.pattern}",
+            nbytes=last.nbytes + site.nbytes,
+        )
+        self.sites[-2:] = [joined]
+        self._last_elementwise = joined
 
     def _matmul(self, node, family, a) -> None:
         if family == "linear":
@@ -310,15 +510,13 @@ class _Rewriter:
         last reader must be the first node after it to allocate, and allocate no more than the
         product (the copy that merges heads does both)."""
         t, u, out = _tensor(a), _tensor(b), _tensor(node)
-        if out is None or not all(
-            isinstance(s, int) for v in (t, u, out) for s in (*v.shape, *v.stride())
-        ):
-            return False  # static shapes only: the pieces of the product are sized when it runs
+        if out is None:
+            return False
         *batch, _, k = t.shape
         if not (
             t.dim() == u.dim()
-            and list(u.shape) == [*batch, k, u.shape[-1]]
-            and u.shape[-1] <= k
+            and all(_same(x, y) for x, y in zip(u.shape, [*batch, k, u.shape[-1]]))
+            and self.constants.holds(u.shape[-1] <= k)  # for the sizes at hand
             and t.dtype == u.dtype
             and _inplace_ok(t, t, mti_op=True)  # a float, contiguous
             and _contiguous_dims(out.shape, out.stride())
@@ -334,7 +532,13 @@ class _Rewriter:
                 return False
             if self.live.allocates(later):
                 value = _tensor(later)  # None: several values (max's values and indices)
-                if at != last or value is None or value.nbytes > out.nbytes:
+                if (
+                    at != last
+                    or value is None
+                    or not self.constants.holds(
+                        value.numel() * value.itemsize <= out.numel() * out.itemsize
+                    )
+                ):
                     return False
             later = later.next
         return True
@@ -386,13 +590,21 @@ class _Rewriter:
         kwargs = dict(sm.kwargs)
         if sm.target is ops.log_softmax_:
             kwargs["log"] = True
-        pattern = ["matmul", _op_name(sm.target), "matmul"]
+        # One site for the whole attention: the softmax_ site of the first pass is its part.
+        softmax_site = self._softmax_sites.pop(sm, None)
+        parts = () if softmax_site is None else (softmax_site,)
+        if softmax_site is not None:
+            self.sites.remove(softmax_site)
+            pattern = ["matmul", softmax_site.pattern, "matmul"]
+        else:
+            pattern = ["matmul", _op_name(sm.target), "matmul"]
         if self._over_left_ok(node, probs, v):
             kwargs["over_left"] = True
             pattern[-1] += " (over the scores when in one piece)"
         erase = [*chain, sm, scores]
         self._replace(node, attention_in_pieces, (q, k_t, v), kwargs, node, erase=erase)
-        self._site(attention_in_pieces, pattern, scores, scores)
+        site = self._site(attention_in_pieces, pattern, scores, scores)
+        self.sites[-1] = dataclasses.replace(site, parts=parts)
         return True
 
     def _norm(self, node, family, a) -> None:
@@ -417,12 +629,13 @@ class _Rewriter:
 
     # ----------------------------------------------------------------- shared
 
-    def _replace(self, result, fn, args, kwargs, target, at=None, erase=(), value=None) -> None:
+    def _replace(self, result, fn, args, kwargs, target, at=None, erase=(), value=None):
         """Puts `fn(*args, **kwargs)`, which writes over `target`, in the place of `result`.
 
         The new node goes where `at` (default: `result`) was; `result` and then the nodes in
         `erase` (folded into the new op, each used only by the next) are removed. `value`:
         the fake tensor the new op returns, a view of target's memory (default: target).
+        Returns the new node.
         """
         at = result if at is None else at
         with self.graph.inserting_before(at):
@@ -438,24 +651,25 @@ class _Rewriter:
         for dead in dict.fromkeys([result, *erase]):
             self.graph.erase_node(dead)
         self.live.note_reads(new, pos)
+        return new
 
-    def _site(self, fn, pattern: Sequence[str], origin: fx.Node, result: fx.Node) -> None:
+    def _site(self, fn, pattern: Sequence[str], origin: fx.Node, result: fx.Node) -> Site:
         # `result` is out of the graph by now, but keeps its meta: the output it allocated.
         out = result.meta["example_value"]
         shape = tuple(_hint(s) for s in out.shape)
         numel = 1
         for s in shape:
             numel *= s
-        self.sites.append(
-            Site(
-                op=_op_name(fn),
-                pattern=" -> ".join(pattern),
-                where=_where(origin),
-                shape=shape,
-                dtype=out.dtype,
-                nbytes=numel * out.element_size(),
-            )
+        site = Site(
+            op=_op_name(fn),
+            pattern=" -> ".join(pattern),
+            where=_where(origin),
+            shape=shape,
+            dtype=out.dtype,
+            nbytes=numel * out.element_size(),
         )
+        self.sites.append(site)
+        return site
 
 
 def _where(node: fx.Node) -> str:

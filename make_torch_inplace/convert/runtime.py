@@ -1,8 +1,10 @@
-"""The converted module at run time: capturing each new input layout through torch.compile
-with the rewriting backend, and running known layouts' captured code at the least host cost."""
+"""The converted module at run time: capturing its forward through torch.compile with dynamic
+shapes and the rewriting backend, running known layouts' captured code at the least host cost,
+and picking, per sizes, the rewrite that fits the masks those sizes give."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 
@@ -10,6 +12,7 @@ import torch
 from torch import fx, nn
 
 from . import _compat, rewrite
+from .constants import _Constants, _size_placeholders
 from .rewrite import Site
 
 # Dynamo keeps compiled graphs per code object, shared by every instance of a model class, and
@@ -19,9 +22,13 @@ _RECOMPILE_LIMIT = 64
 
 # Dynamo's settings while a converted model is captured:
 # - the recompile limit above;
-# - static shapes (what torch.compile(dynamic=False) sets), one capture per input shape: a
-#   value computed from sizes alone, such as an attention mask, is then a constant of the
-#   graph, which the backend can read (see constants.py);
+# - dynamic shapes (what torch.compile(dynamic=True) sets): every size of an input tensor is
+#   symbolic from the first capture, so one capture serves every sequence length and batch
+#   size. Dynamo still specialises a size of 0 or 1 (a batch of one, one new token), which
+#   costs one more capture. Parameters and buffers keep static sizes (Dynamo's default).
+#   Masks computed from sizes alone are told apart per sizes by the backend (_SizeClasses);
+# - floats specialised: a module's float attribute (a softmax scale, a norm's eps) stays a
+#   constant of the graph, which the rewrites fold, rather than a tensor read by .item();
 # - record_runtime_overhead off: on, every call of a compiled region enters and leaves a
 #   "Pregraph bytecode" profiler range, two calls of functions wrapped in
 #   torch._dynamo.disable even with no profiler attached, ~5 us of host time a call (CPU).
@@ -29,10 +36,24 @@ _RECOMPILE_LIMIT = 64
 #   lose that one range.
 _CAPTURE_CONFIG = {
     "recompile_limit": _RECOMPILE_LIMIT,
-    "automatic_dynamic_shapes": False,
-    "assume_static_by_default": True,
+    "automatic_dynamic_shapes": True,
+    "assume_static_by_default": False,
+    "specialize_float": True,
     "record_runtime_overhead": False,
 }
+
+# Static shapes, one capture per input shape, where this torch cannot prove conditions on
+# symbolic sizes: every layout check of a rewrite would fail on a symbolic size.
+_STATIC_SHAPES = {"automatic_dynamic_shapes": False, "assume_static_by_default": True}
+
+# Symbolic shapes' settings while a converted model is captured: duck shaping off, which
+# would give sizes that happen to be equal in the first call (a batch of 8 and 8 tokens) one
+# symbol, and capture anew where they differ.
+_SHAPES_CONFIG = {"use_duck_shape": False}
+
+# Signatures ConvertedModule remembers; past this many (a long generation loop: one per
+# length) it forgets them all, and each next new one goes through torch.compile once more.
+_MAX_SIGNATURES = 4096
 
 
 class ConvertedModule(nn.Module):
@@ -47,43 +68,61 @@ class ConvertedModule(nn.Module):
         # _THROUGH_COMPILE.
         self._captured: dict[tuple, int] = {}
         # A bound method, not the OptimizedModule torch.compile(module) would return, so the
-        # parameters are registered once (under self.module). Static shapes come from
-        # _CAPTURE_CONFIG, not dynamic=False, which would patch Dynamo's config around every
+        # parameters are registered once (under self.module). Dynamic shapes come from
+        # _CAPTURE_CONFIG, not dynamic=True, which would patch Dynamo's config around every
         # call (see forward).
         self._compiled_call = torch.compile(module.__call__, backend=self._backend)
+        # The model as its own methods see it when called through this module (see
+        # __getattr__); set past nn.Module.__setattr__, which would register it as a submodule.
+        object.__setattr__(self, "_model_calling_converted", _calling(module, self))
 
     def __getattr__(self, name: str):
         # Parameters, buffers and submodules (the model itself, as `module`) are nn.Module's;
         # any other attribute is the model's, as torch.compile's wrapper forwards them: config,
-        # generate, save_pretrained. The model's own methods run its original forward.
+        # generate, save_pretrained. The model's own methods run bound to a view of the model
+        # whose calls are this module's: generate's forward calls run converted.
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == "module":
+            if name in ("module", "_model_calling_converted"):
                 raise
-            return getattr(self.module, name)
+            value = getattr(self.module, name)
+            if inspect.ismethod(value) and value.__self__ is self.module:
+                return value.__func__.__get__(self._model_calling_converted)
+            return value
 
     @property
     def sites(self) -> list[Site]:
-        """Every site rewritten so far, over all captured graphs and recompilations."""
-        return self._backend.sites
+        """Every site rewritten so far, over all captured graphs and recompilations, and the
+        rewrites of a graph for each class of sizes (see _SizeClasses)."""
+        return [site for r in self._backend.reports for site in r.sites]
+
+    def report(self) -> str:
+        """What convert did, one block per rewritten graph (a captured graph, or its rewrite for
+        a class of sizes): the graph's sites, one line each, and the peak of its tensors before
+        and after (rewrite.GraphReport)."""
+        return "\n".join(line for r in self._backend.reports for line in r.lines())
 
     def forward(self, *args, **kwargs):
         grad = torch.is_grad_enabled()
         if grad:  # under no_grad / inference_mode, skip the call
             _check_no_autograd(self.module, args, kwargs)
-        # Dynamo reads _CAPTURE_CONFIG only when it captures, which with static shapes is
-        # when the inputs' layouts change. Patching the config costs tens of microseconds, so
-        # only a call with a new signature does. A capture that happens anyway (a guard on
-        # something else failed: a module attribute) runs with Dynamo's defaults, which is
-        # still safe: the backend handles symbolic shapes, and past the default recompile
-        # limit Dynamo runs the original forward.
+        # Dynamo reads _CAPTURE_CONFIG only when it captures, which can happen only where the
+        # inputs' layouts differ from every earlier call's (its guards passed for those).
+        # Patching the config costs tens of microseconds, so only a call with a new signature
+        # does. A capture that happens anyway (a guard on something else failed: a module
+        # attribute) runs with Dynamo's defaults, which is still safe: the backend handles
+        # static and symbolic shapes, and past the default recompile limit Dynamo runs the
+        # original forward.
         signature = _input_signature(grad, args, kwargs)
         graphs = self._captured.get(signature)
         if graphs is None:
             ran = self._backend.graph_calls
-            with _compat.dynamo_config(_CAPTURE_CONFIG):
+            config = _CAPTURE_CONFIG if _compat.proves_sizes() else _CAPTURE_CONFIG | _STATIC_SHAPES
+            with _compat.dynamo_config(config, _SHAPES_CONFIG):
                 out = self._compiled_call(*args, **kwargs)
+            if len(self._captured) >= _MAX_SIGNATURES:
+                self._captured.clear()
             self._captured[signature] = self._backend.graph_calls - ran
             if self._captured[signature] == 0:
                 _warn_unconverted(_NOT_CAPTURED)
@@ -133,14 +172,28 @@ class _Backend:
 
     def __init__(self, verbose: bool) -> None:
         self.verbose = verbose
-        self.sites: list[Site] = []
+        self.reports: list[rewrite.GraphReport] = []
         self.graph_calls = 0  # calls of the graphs it returned, which ConvertedModule reads
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
-        self.sites.extend(rewrite._rewrite_graph(gm, report=print if self.verbose else None))
-        _compat.generate_code(gm)  # gm.forward is then the generated function itself
-        forward = gm.forward
+        # The graph as captured, for rewriting again for sizes whose masks differ.
+        original = _copy_graph(gm.graph) if _size_placeholders(gm.graph) else None
+        constants = _Constants(gm.graph)
+        forward = self.rewrite(gm, constants)
+        if not constants.queries:  # nothing it did depends on the sizes
+            return self.counted(forward)
+        return self.counted(_SizeClasses(self, gm, original, constants, forward))
 
+    def rewrite(self, gm: fx.GraphModule, constants: _Constants) -> Callable:
+        """gm rewritten in place, for the sizes `constants` evaluates masks for; its forward."""
+        report = print if self.verbose else None
+        result = rewrite._rewrite_graph(gm, report=report, constants=constants)
+        if result is not None:
+            self.reports.append(result)
+        _compat.generate_code(gm)  # gm.forward is then the generated function itself
+        return gm.forward
+
+    def counted(self, forward: Callable) -> Callable:
         def run(*args):
             self.graph_calls += 1
             return forward(*args)
@@ -148,9 +201,78 @@ class _Backend:
         return run
 
 
+class _SizeClasses:
+    """A graph rewritten per class of sizes. With dynamic shapes, a mask computed from sizes
+    alone (see constants.py) may keep every element for some sizes, exactly j <= i for others
+    (which the rewrites turn into no mask, or causal=True) and something else for yet others
+    (kept as computed). Each rewrite holds the answers of the mask queries it was made on; a
+    call with new sizes takes the first rewrite whose queries give the same answers for them,
+    or a new one, made from the graph as captured. Each distinct tuple of sizes evaluates the
+    queries once, on the CPU; later calls with it cost a dict lookup."""
+
+    _MAX_SIZES = 4096  # past this many remembered size tuples, they are forgotten
+
+    def __init__(self, backend, gm, original: fx.Graph, constants: _Constants, forward) -> None:
+        self._backend = backend
+        self._root = gm  # holds the attributes the graph's get_attr nodes read
+        self._original = original
+        self._positions = [i for i, _ in _size_placeholders(original)]
+        self._rewrites = [(constants.queries, forward)]
+        self._by_sizes = {constants.sizes: forward}
+
+    def __call__(self, *args):
+        sizes = tuple([args[i] for i in self._positions])
+        forward = self._by_sizes.get(sizes)
+        if forward is None:
+            forward = self._for_new_sizes(sizes)
+        return forward(*args)
+
+    def _for_new_sizes(self, sizes: tuple[int, ...]) -> Callable:
+        fits = (f for queries, f in self._rewrites if all(q.kind(sizes) == k for q, k in queries))
+        forward = next(fits, None)
+        if forward is None:
+            gm = fx.GraphModule(self._root, _copy_graph(self._original))
+            constants = _Constants(gm.graph, sizes)
+            forward = self._backend.rewrite(gm, constants)
+            self._rewrites.append((constants.queries, forward))
+        if len(self._by_sizes) >= self._MAX_SIZES:
+            self._by_sizes.clear()
+        self._by_sizes[sizes] = forward
+        return forward
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph` whose nodes share the originals' example values."""
+    copy = fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    return copy
+
+
+def _calling(module: nn.Module, converted: nn.Module) -> nn.Module:
+    """A view of `module` whose calls are `converted`'s: an instance of a subclass of its
+    class overriding __call__ alone, sharing its __dict__ (parameters, submodules, config,
+    every attribute, and what its methods set on it). Its methods, bound to the view, reach
+    the converted forward wherever they call the model (generate's self(...),
+    self.__call__)."""
+    cls = type(module)
+
+    def __call__(self, *args, **kwargs):
+        return converted(*args, **kwargs)
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+    }
+    view = object.__new__(type(cls.__name__, (cls,), namespace))
+    view.__dict__ = module.__dict__
+    return view
+
+
 def _input_signature(grad_enabled: bool, args, kwargs) -> tuple:
-    """What a static-shape capture of a call depends on in its inputs, and what Dynamo's
-    guards on them check that commonly changes between calls: tensors' layouts, whether they
+    """What Dynamo's guards check of a call's inputs that commonly changes between calls,
+    exactly: tensors' layouts (the sizes too: a guard may relate them, or pin one to 1; a
+    call with a signature seen before passes the guards that passed for it), whether they
     require grad or are inference tensors, Python scalars' values, and grad mode (the
     caller's torch.is_grad_enabled(), which it has read already). It runs on every call,
     where a small model's forward is bound by host time: hence list comprehensions over a
