@@ -84,8 +84,7 @@ def check_cross_entropy(x, target, reduction="mean", ignore_index=-100, label_sm
     ref_loss, ref_grad = reference(x.double(), target, reduction, **kw)
     # PyTorch as HF runs it: the loss of logits.float(), its gradient cast back to x's dtype.
     torch_loss, torch_grad = reference(x.float(), target, reduction, **kw)
-    # float64's yardstick (below): each row's lse - x[t] cancels terms of up to
-    # max|x| + log V.
+    # float64's yardstick (below): the size of lse and of each logit, max|x| + log V.
     row_terms = (x.abs().max().item() if x.numel() else 0.0) + math.log(x.shape[-1])
     exact_grad = closed_form_grad(x.double(), target, reduction, **kw)
     torch.testing.assert_close(exact_grad, ref_grad, rtol=0, atol=1e-12)
@@ -101,13 +100,14 @@ def check_cross_entropy(x, target, reduction="mean", ignore_index=-100, label_sm
         assert_accurate(x, torch_grad.to(x.dtype), ref_grad, what="gradient")
         return
     # float64: held to PyTorch's float64 within a few units of eps at the scale of what is
-    # summed: row_terms per row of the loss, at most 1 per element of the gradient, both times
-    # the reduction's scale.
+    # computed, times the reduction's scale: row_terms per row summed into the loss; for the
+    # gradient, softmax = exp(x - lse) carries the rounding of x - lse (up to row_terms in
+    # size) as a relative error.
     valid = int((target != ignore_index).sum())
     scale = 1 / max(valid, 1) if reduction == "mean" else 1.0
     rows = valid if reduction != "none" else 1
     assert_close64(loss[~nan], ref_loss[~nan], "loss", terms=row_terms * rows * scale)
-    assert_close64(x, exact_grad, "gradient", terms=scale)
+    assert_close64(x, exact_grad, "gradient", terms=row_terms * scale)
 
 
 @pytest.mark.parametrize("device", DEVICES)
