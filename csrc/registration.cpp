@@ -44,4 +44,16 @@ TORCH_LIBRARY(make_torch_inplace, m) {
       "norm_backward(Tensor y, Tensor grad, int[] normalized_shape, Tensor? weight, "
       "Tensor? bias, Tensor rstd, bool rms, Tensor(a!) grad_x, Tensor(b!) grad_weight, "
       "Tensor(c!) grad_bias) -> ()");
+
+  // Cross entropy of logits [..., V] (classes last) against int64 class indices target [...]:
+  // losses[...] <- each row's loss (float32; float64 for float64 logits) and logits <- the
+  // gradient of the loss w.r.t. logits, (softmax - (1 - eps) onehot - eps / V) per row, where
+  // eps = label_smoothing. reduction (at::Reduction: 0 none, 1 mean, 2 sum) scales both: mean
+  // divides every row by the number of rows whose target is not ignore_index, so that
+  // losses.sum() is the mean loss and logits its gradient. Ignored rows: loss 0 (0 / 0 = NaN
+  // for mean when every row is ignored, PyTorch's mean), gradient 0. A target outside
+  // [0, V) other than ignore_index raises before logits is written.
+  m.def(
+      "cross_entropy_(Tensor(a!) logits, Tensor target, int ignore_index, int reduction, "
+      "float label_smoothing, Tensor(b!) losses) -> ()");
 }

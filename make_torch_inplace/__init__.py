@@ -3,6 +3,7 @@
 from . import nn
 from .convert import convert
 from .ops import (
+    cross_entropy_,
     get_workspace_limit,
     layer_norm_,
     linear_,
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "convert",
+    "cross_entropy_",
     "get_workspace_limit",
     "layer_norm_",
     "linear_",

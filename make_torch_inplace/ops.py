@@ -1,4 +1,5 @@
-"""Functional API: each op writes its result over its first argument and returns it.
+"""Functional API: each op writes its result over its first argument and returns it
+(cross_entropy_ writes the loss's gradient over the logits and returns the loss).
 
 Everything here sits above the dispatcher ops of ``torch.ops.make_torch_inplace`` (schemas in
 csrc/registration.cpp): argument defaults that mirror PyTorch, fake kernels for FakeTensor and
@@ -352,6 +353,83 @@ class _Norm(torch.autograd.Function):
         )
 
 
+# --------------------------------------------------------------------------- cross entropy
+
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # at::Reduction's values
+
+
+def cross_entropy_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """The loss of F.cross_entropy(logits.float(), target, ...) with the classes in the last dim
+    of logits (..., V) and int64 class indices target (...); logits is overwritten with the
+    gradient of that loss w.r.t. logits, in logits' dtype.
+
+    Math in float32 (float64 for float64 logits); the loss is float32 (float64). reduction
+    "none" returns the per-row losses (target's shape) and leaves each row's own gradient
+    (softmax - onehot, smoothed); "sum" and "mean" a scalar, and the gradient of that scalar
+    ("mean": divided by the number of rows whose target is not ignore_index). Rows with target
+    ignore_index get loss 0 and gradient 0. Under autograd the backward multiplies the
+    overwritten logits by the output gradient in place (it makes no new logits-sized tensor):
+    one backward per forward, retain_graph cannot reuse it. Out-of-range targets raise before
+    logits is written (on CUDA, a device-side assert: see docs/design.md).
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    code, smoothing = _REDUCTIONS[reduction], float(label_smoothing)
+    if _needs_autograd(logits):
+        _check_overwritable("cross_entropy_", logits)
+        loss, _ = _CrossEntropy.apply(logits, target, int(ignore_index), code, smoothing)
+        return loss
+    return _cross_entropy(logits, target, int(ignore_index), code, smoothing)
+
+
+def _cross_entropy(logits, target, ignore_index, code, smoothing):
+    # Mean mode scales each row by 1 / (valid rows), so the loss is always the losses' sum.
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    losses = torch.empty(target.shape, dtype=dtype, device=logits.device)
+    _ops.cross_entropy_(logits, target, ignore_index, code, smoothing, losses)
+    if code == _REDUCTIONS["none"]:
+        return losses
+    if code == _REDUCTIONS["mean"] and losses.numel() == 0:
+        return torch.full((), float("nan"), dtype=dtype, device=logits.device)
+    return losses.sum()
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, code, smoothing):
+        loss = _cross_entropy(logits, target, ignore_index, code, smoothing)
+        # logits now holds the gradient: an output (autograd requires dirty tensors to be),
+        # but not a differentiable one.
+        ctx.mark_dirty(logits)
+        ctx.mark_non_differentiable(logits)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits)
+        ctx.per_row, ctx.consumed = code == _REDUCTIONS["none"], False
+        return loss, logits
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_logits):
+        if ctx.consumed:
+            raise RuntimeError(
+                "cross_entropy_: backward ran twice through one call; its saved gradient was "
+                "scaled in place by the first (retain_graph is not supported)"
+            )
+        ctx.consumed = True
+        if grad_loss is None:
+            return None, None, None, None, None
+        (grad,) = ctx.saved_tensors
+        # In place: the forward's gradient times the output gradient, no second logits buffer.
+        grad.mul_(grad_loss.unsqueeze(-1) if ctx.per_row else grad_loss)
+        return grad, None, None, None, None
+
+
 # --------------------------------------------------------------------------- fake kernels
 # The ops return nothing and only write their Tensor(a!) arguments (x and rstd, or the
 # gradients), so their fake kernels have nothing to compute; they exist so FakeTensor and
@@ -397,4 +475,9 @@ def _softmax_backward_fake(y, grad, dim, scale, mask, causal, log, grad_x):
 def _norm_backward_fake(
     y, grad, normalized_shape, weight, bias, rstd, rms, grad_x, grad_weight, grad_bias
 ):
+    return None
+
+
+@torch.library.register_fake("make_torch_inplace::cross_entropy_")
+def _cross_entropy_fake(logits, target, ignore_index, reduction, label_smoothing, losses):
     return None

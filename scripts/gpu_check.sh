@@ -137,6 +137,7 @@ else
   bench memory_demo save
   bench bench_rowwise quick
   bench bench_square_matmul quick
+  bench bench_cross_entropy quick
   bench bench_e2e quick
 fi
 

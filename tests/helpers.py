@@ -230,6 +230,25 @@ def assert_accurate(out, torch_out, ref, what=""):
     )
 
 
+# float64 has no more precise PyTorch to measure against: an op's float64 result is held to
+# PyTorch's within F64_ULPS units of eps at the output's scale (test_float64.py says why).
+F64_ULPS = 32
+
+
+def assert_close64(out, ref, what, terms=0.0):
+    """out within F64_ULPS * eps * max(max|ref|, terms) of ref; non-finite entries (-inf) equal.
+    terms: the magnitude of what a result sums, where the sum cancels to far less."""
+    assert out.dtype == torch.float64 and out.shape == ref.shape, what
+    finite = torch.isfinite(ref)
+    assert torch.equal(out[~finite], ref[~finite]), f"{what}: non-finite entries differ"
+    if not finite.any():
+        return
+    err = (out[finite] - ref[finite]).abs().max().item()
+    eps = torch.finfo(torch.float64).eps
+    allowed = F64_ULPS * eps * max(ref[finite].abs().max().item(), terms)
+    assert err <= allowed, f"{what}: max error {err:.3e}, allowed {allowed:.3e}"
+
+
 def check_op(op, ref, x, *args, **kwargs):
     """The contract every op test checks: op(x, *args, **kwargs) returns x itself, keeps its
     storage, writes nothing outside x, and is as accurate as `ref` (same signature) is in x's

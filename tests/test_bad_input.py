@@ -332,6 +332,109 @@ def _layer_norm_rstd_overlaps_x(d):
     )
 
 
+def _xent_target(*shape, device, v=10):
+    return torch.arange(torch.Size(shape).numel(), device=device).reshape(shape) % v
+
+
+def _xent_target_int32(d):
+    x = rand(4, 10, device=d)
+    t = _xent_target(4, device=d).to(torch.int32)
+    return x, lambda: mti.cross_entropy_(x, t), RuntimeError, "target must hold int64"
+
+
+def _xent_target_probabilities(d):
+    x = rand(4, 10, device=d)
+    return x, lambda: mti.cross_entropy_(x, rand(4, 10, device=d)), RuntimeError, "int64"
+
+
+def _xent_target_shape(d):
+    x = rand(2, 3, 10, device=d)
+    t = _xent_target(6, device=d)
+    return x, lambda: mti.cross_entropy_(x, t), RuntimeError, "target must have logits' shape"
+
+
+def _xent_target_out_of_bounds(d):
+    # CPU only: CUDA checks target values on the device (test_cross_entropy.py).
+    x = rand(4, 10, device=d)
+    t = torch.tensor([1, 2, 10, 3], device=d)
+    return x, lambda: mti.cross_entropy_(x, t), IndexError, "target 10 \\(row 2\\) is out of bounds"
+
+
+def _xent_target_negative(d):
+    x = rand(4, 10, device=d)
+    t = torch.tensor([1, -1, 2, 3], device=d)
+    return x, lambda: mti.cross_entropy_(x, t), IndexError, "target -1 .*not ignore_index"
+
+
+def _xent_int_logits(d):
+    x = int_tensor(4, 10, device=d)
+    return x, lambda: mti.cross_entropy_(x, _xent_target(4, device=d)), RuntimeError, "float"
+
+
+def _xent_scalar_logits(d):
+    x = rand(device=d)
+    t = torch.tensor(0, device=d)
+    return x, lambda: mti.cross_entropy_(x, t), RuntimeError, "class dim"
+
+
+def _xent_transposed_logits(d):
+    x = rand(10, 4, device=d).t()
+    return x, lambda: mti.cross_entropy_(x, _xent_target(4, device=d)), ValueError, "stride 1"
+
+
+def _xent_expanded_logits(d):
+    x = rand(1, 10, device=d).expand(4, 10)
+    t = _xent_target(4, device=d)
+    return x, lambda: mti.cross_entropy_(x, t), RuntimeError, "overlapping"
+
+
+def _xent_bad_reduction(d):
+    x = rand(4, 10, device=d)
+    t = _xent_target(4, device=d)
+    return x, lambda: mti.cross_entropy_(x, t, reduction="avg"), ValueError, "reduction"
+
+
+def _xent_label_smoothing_out_of_range(d):
+    x = rand(4, 10, device=d)
+    t = _xent_target(4, device=d)
+    return (
+        x,
+        lambda: mti.cross_entropy_(x, t, label_smoothing=1.5),
+        RuntimeError,
+        "label_smoothing must be between",
+    )
+
+
+def _xent_leaf_requires_grad(d):
+    x = rand(4, 10, device=d).requires_grad_()
+    t = _xent_target(4, device=d)
+    return x, lambda: mti.cross_entropy_(x, t), RuntimeError, "leaf tensor that requires grad"
+
+
+def _xent_losses_wrong_dtype(d):
+    x = rand(4, 10, device=d, dtype=torch.float64)
+    t = _xent_target(4, device=d)
+    losses = torch.empty(4, device=d)
+    return x, lambda: _ops.cross_entropy_(x, t, -100, 1, 0.0, losses), RuntimeError, "losses"
+
+
+def _xent_losses_overlap_logits(d):
+    x = rand(4, 10, device=d)
+    t = _xent_target(4, device=d)
+    return (
+        x,
+        lambda: _ops.cross_entropy_(x, t, -100, 1, 0.0, x[0, :4]),
+        RuntimeError,
+        "losses overlaps logits",
+    )
+
+
+def _xent_empty_classes(d):
+    x = rand(4, 0, device=d)
+    t = _xent_target(4, device=d)
+    return x, lambda: mti.cross_entropy_(x, t), RuntimeError, "class dim must not be empty"
+
+
 CASES = [
     _matmul_nonsquare,
     _linear_nonsquare,
@@ -381,7 +484,23 @@ CASES = [
     _layer_norm_rstd_wrong_size,
     _rms_norm_rstd_wrong_dtype,
     _layer_norm_rstd_overlaps_x,
+    _xent_target_int32,
+    _xent_target_probabilities,
+    _xent_target_shape,
+    _xent_int_logits,
+    _xent_scalar_logits,
+    _xent_transposed_logits,
+    _xent_expanded_logits,
+    _xent_bad_reduction,
+    _xent_label_smoothing_out_of_range,
+    _xent_leaf_requires_grad,
+    _xent_losses_wrong_dtype,
+    _xent_losses_overlap_logits,
+    _xent_empty_classes,
 ]
+
+# Target values are checked on the host only by the CPU backend.
+CPU_CASES = [_xent_target_out_of_bounds, _xent_target_negative]
 
 
 def check_raises_untouched(x, call, error, message):
@@ -396,6 +515,11 @@ def check_raises_untouched(x, call, error, message):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_input(device, case):
     check_raises_untouched(*case(device))
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.__name__.lstrip("_"))
+def test_bad_input_cpu(case):
+    check_raises_untouched(*case("cpu"))
 
 
 # --------------------------------------------------------------------------- CUDA only
@@ -444,6 +568,12 @@ def _float64_matmul_k_too_large_without_workspace(d):
     )
 
 
+def _xent_target_on_cpu(d):
+    x = rand(4, 10, device=d)
+    t = torch.tensor([1, 2, 3, 4])
+    return x, lambda: mti.cross_entropy_(x, t), RuntimeError, "target must be on logits' device"
+
+
 def _float64_norm_rstd_float32(d):
     # On CUDA a float64 x saves its rstd in float64.
     x = rand(4, 6, device=d, dtype=torch.float64)
@@ -462,6 +592,7 @@ def _float64_norm_rstd_float32(d):
         _rms_weight_on_cpu,
         _float64_matmul_k_too_large_without_workspace,
         _float64_norm_rstd_float32,
+        _xent_target_on_cpu,
     ],
     ids=lambda c: c.__name__.lstrip("_"),
 )

@@ -21,6 +21,8 @@ def opcheck_samples(device):
     bool_mask = r(6, 6, seed=1) > -0.5
     bf16 = torch.bfloat16
     sm, sx, ln, rms = _ops.square_matmul_, _ops.softmax_, _ops.layer_norm_, _ops.rms_norm_
+    xent = _ops.cross_entropy_
+    target = torch.tensor([[1, 0, 7], [-100, 2, 3]], device=device)
     return {
         "square_matmul": (sm, (r(2, 6, 8), r(8, 8, seed=2), None, False, 1 << 20)),
         "square_matmul_bias_transpose": (
@@ -43,6 +45,11 @@ def opcheck_samples(device):
         ),
         "rms_norm": (rms, (r(2, 6, 8), [8], None, 1e-6, r(0))),
         "rms_norm_weight_rstd": (rms, (r(2, 6, 8), [8], r(8, seed=11), 1e-6, r(2 * 6))),
+        "cross_entropy_mean": (xent, (r(2, 3, 8), target, -100, 1, 0.0, r(2, 3))),
+        "cross_entropy_none_smoothed_bf16": (
+            xent,
+            (r(2, 3, 8, dtype=bf16), target.clamp(min=0), 7, 0, 0.1, r(2, 3)),
+        ),
     }
 
 

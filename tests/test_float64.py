@@ -4,13 +4,13 @@ memory each op takes; square_matmul_'s zero-workspace kernel at its K limit. gra
 runs in test_autograd.py, refusals in test_bad_input.py.
 
 Accuracy: there is no more precise PyTorch to hold both the op and PyTorch's float64 op to, so
-the op is held to PyTorch's float64 result within ULPS units of float64's eps at the output's
-scale (the largest reference magnitude). Two accurate float64 computations of a row differ by a
-few such units (their sums run in other orders); a step taken in float32 (a scale, an eps or a
-saved rstd rounded to float32) would differ by about 2^29 of them. The matmul is held to the
-classic bound of any order of summation instead: each of the two results is within
-(K + 2) * eps * (|x| @ |W| + |b|) of the exact one, so they are within twice that of each
-other.
+the op is held to PyTorch's float64 result within F64_ULPS (helpers.py) units of float64's eps
+at the output's scale (the largest reference magnitude). Two accurate float64 computations of a
+row differ by a few such units (their sums run in other orders); a step taken in float32 (a
+scale, an eps or a saved rstd rounded to float32) would differ by about 2^29 of them. The
+matmul is held to the classic bound of any order of summation instead: each of the two results
+is within (K + 2) * eps * (|x| @ |W| + |b|) of the exact one, so they are within twice that of
+each other.
 """
 
 import pytest
@@ -20,6 +20,7 @@ from helpers import (
     ODD_WIDTHS,
     ROW_STRIDED_LAYOUTS,
     Untouched,
+    assert_close64,
     examples,
     lead_shapes,
     output_grad,
@@ -40,22 +41,7 @@ pytestmark = requires_cuda
 
 F64 = torch.float64
 EPS = torch.finfo(F64).eps
-ULPS = 32
 DEV = "cuda"
-
-
-def assert_close64(out, ref, what, terms=0.0):
-    """out within ULPS * eps * max(max|ref|, terms) of ref; non-finite entries (-inf) equal.
-    terms: the magnitude of what a gradient sums, where the sum cancels to far less (module
-    docstring)."""
-    assert out.dtype == F64 and out.shape == ref.shape, what
-    finite = torch.isfinite(ref)
-    assert torch.equal(out[~finite], ref[~finite]), f"{what}: non-finite entries differ"
-    if not finite.any():
-        return
-    err = (out[finite] - ref[finite]).abs().max().item()
-    allowed = ULPS * EPS * max(ref[finite].abs().max().item(), terms)
-    assert err <= allowed, f"{what}: max error {err:.3e}, allowed {allowed:.3e}"
 
 
 def run_in_place(op, x, *args, **kwargs):

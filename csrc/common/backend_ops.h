@@ -25,7 +25,9 @@
                      at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,    \
                      const std::optional<at::Tensor>& bias, const at::Tensor& rstd, bool rms,      \
                      const at::Tensor& grad_x, const at::Tensor& grad_weight,                      \
-                     const at::Tensor& grad_bias);
+                     const at::Tensor& grad_bias);                                                 \
+  void cross_entropy_(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,    \
+                      int64_t reduction, double label_smoothing, const at::Tensor& losses);
 
 // Registers a backend's entry points for one dispatch key.
 #define MTI_REGISTER_BACKEND_OPS(m, ns)              \
@@ -34,4 +36,5 @@
   m.impl("layer_norm_", &ns::layer_norm_);           \
   m.impl("rms_norm_", &ns::rms_norm_);               \
   m.impl("softmax_backward", &ns::softmax_backward); \
-  m.impl("norm_backward", &ns::norm_backward);
+  m.impl("norm_backward", &ns::norm_backward);       \
+  m.impl("cross_entropy_", &ns::cross_entropy_);

@@ -373,4 +373,54 @@ NormBackwardPlan plan_norm_backward(const char* op, const at::Tensor& y, const a
   return plan;
 }
 
+CrossEntropyPlan plan_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                    int64_t ignore_index, int64_t reduction, double label_smoothing,
+                                    const at::Tensor& losses) {
+  const char* op = "cross_entropy_";
+  check_float_dtype(op, "logits", logits);
+  TORCH_CHECK(logits.dim() >= 1, op, ": logits must have a class dim, got a scalar");
+  TORCH_CHECK(target.scalar_type() == at::kLong, op,
+              ": target must hold int64 class indices (class probabilities are not supported), "
+              "got ",
+              target.scalar_type());
+  TORCH_CHECK(target.device() == logits.device(), op, ": target must be on logits' device (",
+              logits.device(), "), got ", target.device());
+  const at::IntArrayRef lead = logits.sizes().slice(0, logits.dim() - 1);
+  TORCH_CHECK(target.sizes().equals(lead), op, ": target must have logits' shape without its ",
+              "last (class) dim, ", text(lead), ", got ", text(target.sizes()));
+  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, op,
+                    ": reduction must be 0 (none), 1 (mean) or 2 (sum), got ", text(reduction));
+  TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op,
+              ": label_smoothing must be between 0.0 and 1.0, got ",
+              std::to_string(label_smoothing));
+  const int64_t n = logits.size(-1);
+  const int64_t rows = target.numel();
+  TORCH_CHECK(n > 0 || rows == 0, op, ": logits' class dim must not be empty");
+  TORCH_CHECK_VALUE(n <= 1 || logits.stride(-1) == 1, op,
+                    ": logits' last dim must have stride 1 (rows may be strided), got stride ",
+                    text(logits.stride(-1)), "; pass logits.contiguous()");
+  check_no_internal_overlap(op, logits, "logits");
+  check_no_overlap(op, "target", logits, target, "logits");
+  const at::ScalarType loss_dtype = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(losses.scalar_type() == loss_dtype && losses.device() == logits.device(), op,
+              ": losses must be ", c10::toString(loss_dtype), " on logits' device (",
+              logits.device(), "), got ", losses.scalar_type(), " on ", losses.device());
+  TORCH_CHECK(losses.sizes().equals(target.sizes()) && losses.is_contiguous(), op,
+              ": losses must be contiguous with target's shape ", text(target.sizes()), ", got ",
+              text(losses.sizes()), " of strides ", text(losses.strides()));
+  check_no_overlap(op, "logits", losses, logits, "losses");
+  check_no_overlap(op, "target", losses, target, "losses");
+
+  CrossEntropyPlan plan;
+  plan.logits.rows = rows;
+  plan.logits.n = n;
+  plan.logits.col_stride = 1;
+  build_row_index(op, "logits", logits.dim() - 1, logits, plan.logits.row);
+  plan.target = target.contiguous();
+  plan.params.ignore_index = ignore_index;
+  plan.params.reduction = static_cast<CrossEntropyReduction>(reduction);
+  plan.params.label_smoothing = label_smoothing;
+  return plan;
+}
+
 }  // namespace mti

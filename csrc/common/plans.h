@@ -10,6 +10,7 @@
 
 #include <optional>
 
+#include "kernels/cross_entropy/params.h"
 #include "kernels/row_layout.h"
 
 namespace mti {
@@ -27,6 +28,13 @@ struct SoftmaxPlan {
   MaskLayout mask;
   at::Tensor mask_tensor;  // defined when mask.kind != kNone; data_ptr() is the base of `mask`
   SoftmaxParams params;
+};
+
+// cross_entropy_: logits as rows of V classes (col_stride 1), one int64 target per row.
+struct CrossEntropyPlan {
+  RowLayout logits;
+  at::Tensor target;  // rows contiguous int64 values: the caller's, or a contiguous copy
+  CrossEntropyParams params;
 };
 
 struct NormPlan {
@@ -69,6 +77,15 @@ MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
 
 SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, double scale,
                          const std::optional<at::Tensor>& mask, bool causal, bool log);
+
+// Checks logits (float, stride(-1) == 1, no internal overlap), target (int64, logits' device,
+// shape logits.shape[:-1]), reduction (0 none, 1 mean, 2 sum: at::Reduction's values),
+// label_smoothing in [0, 1] and losses (contiguous, target's shape, float32, or float64 for
+// float64 logits; overlapping neither logits nor target). Target values are not read here:
+// each backend checks them before it writes.
+CrossEntropyPlan plan_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                    int64_t ignore_index, int64_t reduction, double label_smoothing,
+                                    const at::Tensor& losses);
 
 // `op` is "layer_norm_" or "rms_norm_"; rms_norm_ passes no bias.
 NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normalized_shape,
