@@ -227,10 +227,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<T>)
     s = block_merge<T>(s, scratch);
     const A inv = A(1) / s.sum_exp;
     if (threadIdx.x == 0) {
-      const A lse = s.max + log(s.sum_exp);
+      // log_softmax's order, (max - x) + log(sum): max - x is exact where x is near the max,
+      // and nothing large is added to then cancel.
+      const A log_sum = log(s.sum_exp);
       // eps == 0 drops the smoothing term whatever sum_x is (an infinite logit makes it NaN).
-      const A smooth = eps > A(0) ? eps * (lse - s.sum_x / static_cast<A>(n)) : A(0);
-      losses[r] = ((A(1) - eps) * (lse - x_target) + smooth) * scale;
+      const A smooth = eps > A(0) ? eps * ((s.max - s.sum_x / static_cast<A>(n)) + log_sum) : A(0);
+      losses[r] = ((A(1) - eps) * ((s.max - x_target) + log_sum) + smooth) * scale;
     }
     row.each([&](int64_t j, auto& v) {
       constexpr int k = std::extent_v<std::remove_reference_t<decltype(v)>>;
