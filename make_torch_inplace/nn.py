@@ -78,12 +78,15 @@ def _global_hooks() -> bool:
     return has_hooks is None or bool(has_hooks())
 
 
-def _calibrate() -> _call_site.Calibration | None:
-    """Reference counts at forward for a temporary and for a named tensor, once per process.
-    None while global module hooks or a jit trace change the call path (measured again later);
-    a calibration whose frames differ between the two calls trusts nothing."""
+def _calibrate(again: bool = False) -> _call_site.Calibration | None:
+    """Reference counts at forward for a temporary and for a named tensor, measured once per
+    process, and again (`again`) where a call's count matched no measurement: the counts move
+    when the interpreter's frame evaluation changes, as once torch.compile has run in the
+    process (Dynamo's frame evaluator holds more references). None while global module hooks
+    or a jit trace change the call path (measured again later); a calibration whose frames
+    differ between the two calls trusts nothing."""
     global _calibration
-    if _calibration is None and not (_global_hooks() or torch.jit.is_tracing()):
+    if (_calibration is None or again) and not (_global_hooks() or torch.jit.is_tracing()):
         probe = _Probe()
         temporary, frames = probe(torch.empty(0))
         tensor = torch.empty(0)
@@ -111,7 +114,10 @@ class _InplaceModule:
         if _is_compiling():
             return False
         calibration = _calibration or _calibrate()
-        if calibration is None or not _call_site.held_by_call_only(input, calibration):
+        held = calibration is not None and _call_site.held_by_call_only(input, calibration)
+        if not held and calibration is not None and _calibrate(again=True) != calibration:
+            held = _call_site.held_by_call_only(input, _calibration)  # measured just now
+        if not held:
             reason = (
                 "its input may be read after the call (another Python reference to it, or a "
                 "call other than module(x) with one positional argument and no hooks)"

@@ -410,6 +410,24 @@ def test_sequential_overwrites_all_but_its_own_input(name):
     assert_accurate(out, torch_out, ref64, what=name)
 
 
+def test_still_overwrites_a_temporary_after_torch_compile_ran():
+    """Dynamo's frame evaluator, installed once torch.compile has run in the process, holds
+    more references at forward: the modules measure the counts again and still run in place
+    on a temporary, and out of place on a named tensor."""
+    _, module = inplace_module("layer_norm")
+    compiled = torch.compile(lambda t: t * 2, backend="eager", fullgraph=True)
+    compiled(torch.ones(3))
+    fresh = Fresh()
+    x = randn((3, 5, D), torch.float32, "cpu", seed=7)
+    with torch.no_grad():
+        out = module(fresh(x))
+    assert out.data_ptr() == fresh.data_ptr
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", mnn.InplaceFallbackWarning)
+        y = x.clone()
+        assert module(y).data_ptr() != y.data_ptr()
+
+
 @pytest.mark.parametrize("name", CLASS_CASES)
 def test_always_inplace_overwrites_even_a_referenced_input(name):
     original, module = inplace_module(name, always_inplace=True)
