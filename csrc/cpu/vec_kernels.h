@@ -393,25 +393,48 @@ void softmax_backward_rows_impl(const scalar_t* y, const scalar_t* dy, scalar_t*
         yv = out = buf.data();  // each output overwrites the y it was computed from
         gv = buf.data() + n;
       }
-      // Sums and outputs in double (the loops vectorize with conversions): dy - s cancels
-      // where dy is close to the row's mean gradient.
-      double s = 0;
+      // Vectorized in opmath: the sums chunked (chunked_sum), s in double; dy - s cancels
+      // where dy is close to the row's mean gradient, so softmax subtracts s as hi + lo (each
+      // difference rounded at its own size). A row's last elements (fewer than a vector) are
+      // computed in double.
+      const auto load = [](const acc_t* v) { return [v](int64_t j) { return Vec::loadu(v + j); }; };
+      const auto load_f64 = [](const acc_t* v) {
+        return [v](int64_t j) { return static_cast<double>(v[j]); };
+      };
+      const Vec vscale(static_cast<acc_t>(p.scale));
       if (p.log) {  // out = exp(y) first (each output overwrites only its own inputs)
         for_each_vec<acc_t>(
             n, [&](int64_t j) { Vec::loadu(yv + j).exp().store(out + j); },
             [&](int64_t j) { out[j] = std::exp(yv[j]); });
-        const double sum_p = sum_f64(n, [&](int64_t j) { return static_cast<double>(out[j]); });
-        const double sum_g = sum_f64(n, [&](int64_t j) { return static_cast<double>(gv[j]); });
-        s = sum_p > 0 ? sum_g / sum_p : 0;  // 0: no active element
-        for (int64_t j = 0; j < n; ++j)
-          out[j] = static_cast<acc_t>((static_cast<double>(gv[j]) - out[j] * s) * p.scale);
+        const double sum_p = chunked_sum<acc_t>(n, load(out), load_f64(out));
+        const double sum_g = chunked_sum<acc_t>(n, load(gv), load_f64(gv));
+        const double s = sum_p > 0 ? sum_g / sum_p : 0;  // 0: no active element
+        const Vec neg_s(static_cast<acc_t>(-s));
+        for_each_vec<acc_t>(
+            n,
+            [&](int64_t j) {
+              (at::vec::fmadd(Vec::loadu(out + j), neg_s, Vec::loadu(gv + j)) * vscale)
+                  .store(out + j);
+            },
+            [&](int64_t j) {
+              out[j] = static_cast<acc_t>((static_cast<double>(gv[j]) - out[j] * s) * p.scale);
+            });
       } else {
-        const double sum_p = sum_f64(n, [&](int64_t j) { return static_cast<double>(yv[j]); });
-        const double sum_gy = sum_f64(
-            n, [&](int64_t j) { return static_cast<double>(gv[j]) * static_cast<double>(yv[j]); });
-        s = sum_p > 0 ? sum_gy / sum_p : 0;
-        for (int64_t j = 0; j < n; ++j)
-          out[j] = static_cast<acc_t>((static_cast<double>(gv[j]) - s) * yv[j] * p.scale);
+        const double sum_p = chunked_sum<acc_t>(n, load(yv), load_f64(yv));
+        const double sum_gy = chunked_sum<acc_t>(
+            n, [&](int64_t j) { return Vec::loadu(gv + j) * Vec::loadu(yv + j); },
+            [&](int64_t j) { return static_cast<double>(gv[j]) * static_cast<double>(yv[j]); });
+        const double s = sum_p > 0 ? sum_gy / sum_p : 0;
+        const acc_t s_hi = static_cast<acc_t>(s);
+        const Vec vhi(s_hi), vlo(static_cast<acc_t>(s - static_cast<double>(s_hi)));
+        for_each_vec<acc_t>(
+            n,
+            [&](int64_t j) {
+              ((((Vec::loadu(gv + j) - vhi) - vlo) * Vec::loadu(yv + j)) * vscale).store(out + j);
+            },
+            [&](int64_t j) {
+              out[j] = static_cast<acc_t>((static_cast<double>(gv[j]) - s) * yv[j] * p.scale);
+            });
       }
       const int64_t n_act = p.causal ? std::min(n, r % p.q_len + 1) : n;  // causal: j <= i
       if (mask) {
