@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -59,31 +60,51 @@ void for_each_vec(int64_t n, const FV& fv, const FS& fs) {
   for (; j < n; ++j) fs(j);
 }
 
-// The sum over [0, n) of fv(j) (a vector of the terms j..j+W-1) and fs(j) (one term, added in
-// double: a row shorter than a vector is summed in double); fv and fs may write as they go
-// (softmax stores each exp).
-template <typename acc_t, typename FV, typename FS>
-double chunked_sum(int64_t n, const FV& fv, const FS& fs) {
+// K sums over [0, n) at once: fv(j) gives each sum's vector of terms j..j+W-1, fs(j) each
+// sum's one term, added in double (a row shorter than a vector is summed in double). fv and fs
+// may write as they go (softmax stores each exp).
+template <typename acc_t, size_t K, typename FV, typename FS>
+std::array<double, K> chunked_sums(int64_t n, const FV& fv, const FS& fs) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t W = Vec::size();
-  double total = 0;
+  std::array<double, K> total{};
   for (int64_t c0 = 0; c0 < n; c0 += kSumChunk) {
     const int64_t c1 = std::min(n, c0 + kSumChunk);
-    Vec a0(0), a1(0), a2(0), a3(0);
+    std::array<Vec, K> a0, a1, a2, a3;
+    for (size_t k = 0; k < K; ++k) a0[k] = a1[k] = a2[k] = a3[k] = Vec(0);
     int64_t j = c0;
     for (; j + 4 * W <= c1; j += 4 * W) {
-      a0 += fv(j);
-      a1 += fv(j + W);
-      a2 += fv(j + 2 * W);
-      a3 += fv(j + 3 * W);
+      const std::array<Vec, K> t0 = fv(j), t1 = fv(j + W), t2 = fv(j + 2 * W), t3 = fv(j + 3 * W);
+      for (size_t k = 0; k < K; ++k) {
+        a0[k] += t0[k];
+        a1[k] += t1[k];
+        a2[k] += t2[k];
+        a3[k] += t3[k];
+      }
     }
-    for (; j + W <= c1; j += W) a0 += fv(j);
-    double s = static_cast<double>(
-        at::vec::vec_reduce_all<acc_t>([](Vec a, Vec b) { return a + b; }, (a0 + a1) + (a2 + a3)));
-    for (; j < c1; ++j) s += static_cast<double>(fs(j));
-    total += s;
+    for (; j + W <= c1; j += W) {
+      const std::array<Vec, K> t = fv(j);
+      for (size_t k = 0; k < K; ++k) a0[k] += t[k];
+    }
+    std::array<double, K> s;
+    for (size_t k = 0; k < K; ++k)
+      s[k] = static_cast<double>(at::vec::vec_reduce_all<acc_t>([](Vec a, Vec b) { return a + b; },
+                                                                (a0[k] + a1[k]) + (a2[k] + a3[k])));
+    for (; j < c1; ++j) {
+      const std::array<double, K> t = fs(j);
+      for (size_t k = 0; k < K; ++k) s[k] += t[k];
+    }
+    for (size_t k = 0; k < K; ++k) total[k] += s[k];
   }
   return total;
+}
+
+// chunked_sums of one sum: fv(j) a vector, fs(j) one term.
+template <typename acc_t, typename FV, typename FS>
+double chunked_sum(int64_t n, const FV& fv, const FS& fs) {
+  return chunked_sums<acc_t, 1>(
+      n, [&](int64_t j) { return std::array<Vectorized<acc_t>, 1>{fv(j)}; },
+      [&](int64_t j) { return std::array<double, 1>{static_cast<double>(fs(j))}; })[0];
 }
 
 // The sum over [0, n) of f(j), a double, in double: eight partial sums, which the compiler
@@ -393,21 +414,23 @@ void softmax_backward_rows_impl(const scalar_t* y, const scalar_t* dy, scalar_t*
         yv = out = buf.data();  // each output overwrites the y it was computed from
         gv = buf.data() + n;
       }
-      // Vectorized in opmath: the sums chunked (chunked_sum), s in double; dy - s cancels
+      // Vectorized in opmath: the two sums in one pass (chunked_sums), s in double; dy - s cancels
       // where dy is close to the row's mean gradient, so softmax subtracts s as hi + lo (each
       // difference rounded at its own size). A row's last elements (fewer than a vector) are
       // computed in double.
-      const auto load = [](const acc_t* v) { return [v](int64_t j) { return Vec::loadu(v + j); }; };
-      const auto load_f64 = [](const acc_t* v) {
-        return [v](int64_t j) { return static_cast<double>(v[j]); };
-      };
       const Vec vscale(static_cast<acc_t>(p.scale));
-      if (p.log) {  // out = exp(y) first (each output overwrites only its own inputs)
-        for_each_vec<acc_t>(
-            n, [&](int64_t j) { Vec::loadu(yv + j).exp().store(out + j); },
-            [&](int64_t j) { out[j] = std::exp(yv[j]); });
-        const double sum_p = chunked_sum<acc_t>(n, load(out), load_f64(out));
-        const double sum_g = chunked_sum<acc_t>(n, load(gv), load_f64(gv));
+      if (p.log) {  // out = exp(y) in the sums' pass (each output overwrites only its inputs)
+        const auto [sum_p, sum_g] = chunked_sums<acc_t, 2>(
+            n,
+            [&](int64_t j) {
+              const Vec e = Vec::loadu(yv + j).exp();
+              e.store(out + j);
+              return std::array<Vec, 2>{e, Vec::loadu(gv + j)};
+            },
+            [&](int64_t j) {
+              out[j] = std::exp(yv[j]);
+              return std::array<double, 2>{out[j], gv[j]};
+            });
         const double s = sum_p > 0 ? sum_g / sum_p : 0;  // 0: no active element
         const Vec neg_s(static_cast<acc_t>(-s));
         for_each_vec<acc_t>(
@@ -420,10 +443,16 @@ void softmax_backward_rows_impl(const scalar_t* y, const scalar_t* dy, scalar_t*
               out[j] = static_cast<acc_t>((static_cast<double>(gv[j]) - out[j] * s) * p.scale);
             });
       } else {
-        const double sum_p = chunked_sum<acc_t>(n, load(yv), load_f64(yv));
-        const double sum_gy = chunked_sum<acc_t>(
-            n, [&](int64_t j) { return Vec::loadu(gv + j) * Vec::loadu(yv + j); },
-            [&](int64_t j) { return static_cast<double>(gv[j]) * static_cast<double>(yv[j]); });
+        const auto [sum_p, sum_gy] = chunked_sums<acc_t, 2>(
+            n,
+            [&](int64_t j) {
+              const Vec yj = Vec::loadu(yv + j);
+              return std::array<Vec, 2>{yj, Vec::loadu(gv + j) * yj};
+            },
+            [&](int64_t j) {
+              const double yj = yv[j];
+              return std::array<double, 2>{yj, static_cast<double>(gv[j]) * yj};
+            });
         const double s = sum_p > 0 ? sum_gy / sum_p : 0;
         const acc_t s_hi = static_cast<acc_t>(s);
         const Vec vhi(s_hi), vlo(static_cast<acc_t>(s - static_cast<double>(s_hi)));
