@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -59,30 +60,51 @@ void for_each_vec(int64_t n, const FV& fv, const FS& fs) {
   for (; j < n; ++j) fs(j);
 }
 
-// The sum over [0, n) of fv(j) (a vector of the terms j..j+W-1) and fs(j) (one term); fv and
-// fs may write as they go (softmax stores each exp).
-template <typename acc_t, typename FV, typename FS>
-double chunked_sum(int64_t n, const FV& fv, const FS& fs) {
+// K sums over [0, n) at once: fv(j) gives each sum's vector of terms j..j+W-1, fs(j) each
+// sum's one term, added in double (a row shorter than a vector is summed in double). fv and fs
+// may write as they go (softmax stores each exp).
+template <typename acc_t, size_t K, typename FV, typename FS>
+std::array<double, K> chunked_sums(int64_t n, const FV& fv, const FS& fs) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t W = Vec::size();
-  double total = 0;
+  std::array<double, K> total{};
   for (int64_t c0 = 0; c0 < n; c0 += kSumChunk) {
     const int64_t c1 = std::min(n, c0 + kSumChunk);
-    Vec a0(0), a1(0), a2(0), a3(0);
+    std::array<Vec, K> a0, a1, a2, a3;
+    for (size_t k = 0; k < K; ++k) a0[k] = a1[k] = a2[k] = a3[k] = Vec(0);
     int64_t j = c0;
     for (; j + 4 * W <= c1; j += 4 * W) {
-      a0 += fv(j);
-      a1 += fv(j + W);
-      a2 += fv(j + 2 * W);
-      a3 += fv(j + 3 * W);
+      const std::array<Vec, K> t0 = fv(j), t1 = fv(j + W), t2 = fv(j + 2 * W), t3 = fv(j + 3 * W);
+      for (size_t k = 0; k < K; ++k) {
+        a0[k] += t0[k];
+        a1[k] += t1[k];
+        a2[k] += t2[k];
+        a3[k] += t3[k];
+      }
     }
-    for (; j + W <= c1; j += W) a0 += fv(j);
-    acc_t s =
-        at::vec::vec_reduce_all<acc_t>([](Vec a, Vec b) { return a + b; }, (a0 + a1) + (a2 + a3));
-    for (; j < c1; ++j) s += fs(j);
-    total += static_cast<double>(s);
+    for (; j + W <= c1; j += W) {
+      const std::array<Vec, K> t = fv(j);
+      for (size_t k = 0; k < K; ++k) a0[k] += t[k];
+    }
+    std::array<double, K> s;
+    for (size_t k = 0; k < K; ++k)
+      s[k] = static_cast<double>(at::vec::vec_reduce_all<acc_t>([](Vec a, Vec b) { return a + b; },
+                                                                (a0[k] + a1[k]) + (a2[k] + a3[k])));
+    for (; j < c1; ++j) {
+      const std::array<double, K> t = fs(j);
+      for (size_t k = 0; k < K; ++k) s[k] += t[k];
+    }
+    for (size_t k = 0; k < K; ++k) total[k] += s[k];
   }
   return total;
+}
+
+// chunked_sums of one sum: fv(j) a vector, fs(j) one term.
+template <typename acc_t, typename FV, typename FS>
+double chunked_sum(int64_t n, const FV& fv, const FS& fs) {
+  return chunked_sums<acc_t, 1>(
+      n, [&](int64_t j) { return std::array<Vectorized<acc_t>, 1>{fv(j)}; },
+      [&](int64_t j) { return std::array<double, 1>{static_cast<double>(fs(j))}; })[0];
 }
 
 // The sum over [0, n) of f(j), a double, in double: eight partial sums, which the compiler
@@ -266,11 +288,16 @@ std::pair<const acc_t*, const acc_t*> opmath_params(const scalar_t* weight, cons
 }
 
 // LayerNorm (rms = false) or RMSNorm (rms = true) of every row. Two passes for the statistics
-// (the mean, then centred squares: accurate when |mean| >> std), one to write.
+// (the mean, then centred squares: accurate when |mean| >> std), one to write. Each pass is
+// vectorized in opmath; the statistics are chunked sums (chunked_sum) and the mean and rstd are
+// doubles, so that rstd carries no more than fp32's rounding of each square into every x_hat
+// that the backward recovers from y. A row's last elements (fewer than a vector) are computed
+// in double throughout.
 template <typename scalar_t>
 void norm_rows_impl(scalar_t* x, const RowLayout& L, const scalar_t* weight, const scalar_t* bias,
                     double eps, float* rstd_out, bool rms) {
   using acc_t = at::opmath_type<scalar_t>;
+  using Vec = Vectorized<acc_t>;
   const int64_t n = L.n;
   const bool direct = std::is_same_v<acc_t, scalar_t> && L.col_stride == 1;
   std::vector<acc_t> param_storage;
@@ -282,29 +309,59 @@ void norm_rows_impl(scalar_t* x, const RowLayout& L, const scalar_t* weight, con
       scalar_t* row = x + L.row.offset(r);
       acc_t* z = direct ? as_acc<acc_t>(row) : buf.data();
       if (!direct) load_row(z, row, L.col_stride, n);
-      // The statistics in double, as the row's squares would otherwise carry fp32's rounding
-      // into rstd, and through it into every x_hat that the backward recovers from y.
-      const double mean =
-          rms ? 0.0 : sum_f64(n, [&](int64_t j) { return static_cast<double>(z[j]); }) / n;
-      const double sq = sum_f64(n, [&](int64_t j) {
-        const double d = static_cast<double>(z[j]) - mean;
-        return d * d;
-      });
+      // The mean as pivot + mean(x - pivot), pivot = x[0]: each term is then rounded at the
+      // row's spread, not at |x|.
+      double mean = 0;
+      if (!rms && n > 0) {
+        const acc_t pivot = z[0];
+        const Vec vp(pivot);
+        mean = static_cast<double>(pivot) +
+               chunked_sum<acc_t>(
+                   n, [&](int64_t j) { return Vec::loadu(z + j) - vp; },
+                   [&](int64_t j) { return static_cast<double>(z[j]) - pivot; }) /
+                   static_cast<double>(n);
+      }
+      // mean as hi + lo in opmath: (x - hi) - lo is x - mean rounded at its own size (x - hi
+      // is exact where x is near the mean).
+      const acc_t mean_hi = static_cast<acc_t>(mean);
+      const acc_t mean_lo = static_cast<acc_t>(mean - static_cast<double>(mean_hi));
+      const Vec vhi(mean_hi), vlo(mean_lo);
+      const auto centred = [&](int64_t j) { return (Vec::loadu(z + j) - vhi) - vlo; };
+      const double sq = chunked_sum<acc_t>(
+          n,
+          [&](int64_t j) {
+            const Vec d = centred(j);
+            return d * d;
+          },
+          [&](int64_t j) {
+            const double d = static_cast<double>(z[j]) - mean;
+            return d * d;
+          });
       const double rstd = 1.0 / std::sqrt(sq / static_cast<double>(n) + eps);
       if (rstd_out) rstd_out[r] = static_cast<float>(rstd);
-      // Outputs in double, rounded once (the loops vectorize with conversions): in opmath,
-      // the roundings of x_hat, of its product with the weight and of the sum with the bias
-      // add up to several times PyTorch's error where the bias cancels much of the product.
+      const Vec vr(static_cast<acc_t>(rstd));
       const auto write = [&](auto with_w, auto with_b) {
-        acc_t* __restrict__ out = z;  // z never aliases the weight or bias
-        const acc_t* __restrict__ wr = w;
-        const acc_t* __restrict__ br = b;
-        for (int64_t j = 0; j < n; ++j) {
-          double y = (static_cast<double>(out[j]) - mean) * rstd;
-          if constexpr (decltype(with_w)::value) y *= static_cast<double>(wr[j]);
-          if constexpr (decltype(with_b)::value) y += static_cast<double>(br[j]);
-          out[j] = static_cast<acc_t>(y);
-        }
+        for_each_vec<acc_t>(
+            n,
+            [&](int64_t j) {
+              const Vec xh = centred(j) * vr;
+              Vec y;
+              if constexpr (decltype(with_w)::value && decltype(with_b)::value)
+                y = at::vec::fmadd(xh, Vec::loadu(w + j), Vec::loadu(b + j));
+              else if constexpr (decltype(with_w)::value)
+                y = xh * Vec::loadu(w + j);
+              else if constexpr (decltype(with_b)::value)
+                y = xh + Vec::loadu(b + j);
+              else
+                y = xh;
+              y.store(z + j);
+            },
+            [&](int64_t j) {
+              double y = (static_cast<double>(z[j]) - mean) * rstd;
+              if constexpr (decltype(with_w)::value) y *= static_cast<double>(w[j]);
+              if constexpr (decltype(with_b)::value) y += static_cast<double>(b[j]);
+              z[j] = static_cast<acc_t>(y);
+            });
       };
       if (w && b)
         write(std::true_type{}, std::true_type{});
@@ -357,25 +414,56 @@ void softmax_backward_rows_impl(const scalar_t* y, const scalar_t* dy, scalar_t*
         yv = out = buf.data();  // each output overwrites the y it was computed from
         gv = buf.data() + n;
       }
-      // Sums and outputs in double (the loops vectorize with conversions): dy - s cancels
-      // where dy is close to the row's mean gradient.
-      double s = 0;
-      if (p.log) {  // out = exp(y) first (each output overwrites only its own inputs)
+      // Vectorized in opmath: the two sums in one pass (chunked_sums), s in double; dy - s cancels
+      // where dy is close to the row's mean gradient, so softmax subtracts s as hi + lo (each
+      // difference rounded at its own size). A row's last elements (fewer than a vector) are
+      // computed in double.
+      const Vec vscale(static_cast<acc_t>(p.scale));
+      if (p.log) {  // out = exp(y) in the sums' pass (each output overwrites only its inputs)
+        const auto [sum_p, sum_g] = chunked_sums<acc_t, 2>(
+            n,
+            [&](int64_t j) {
+              const Vec e = Vec::loadu(yv + j).exp();
+              e.store(out + j);
+              return std::array<Vec, 2>{e, Vec::loadu(gv + j)};
+            },
+            [&](int64_t j) {
+              out[j] = std::exp(yv[j]);
+              return std::array<double, 2>{out[j], gv[j]};
+            });
+        const double s = sum_p > 0 ? sum_g / sum_p : 0;  // 0: no active element
+        const Vec neg_s(static_cast<acc_t>(-s));
         for_each_vec<acc_t>(
-            n, [&](int64_t j) { Vec::loadu(yv + j).exp().store(out + j); },
-            [&](int64_t j) { out[j] = std::exp(yv[j]); });
-        const double sum_p = sum_f64(n, [&](int64_t j) { return static_cast<double>(out[j]); });
-        const double sum_g = sum_f64(n, [&](int64_t j) { return static_cast<double>(gv[j]); });
-        s = sum_p > 0 ? sum_g / sum_p : 0;  // 0: no active element
-        for (int64_t j = 0; j < n; ++j)
-          out[j] = static_cast<acc_t>((static_cast<double>(gv[j]) - out[j] * s) * p.scale);
+            n,
+            [&](int64_t j) {
+              (at::vec::fmadd(Vec::loadu(out + j), neg_s, Vec::loadu(gv + j)) * vscale)
+                  .store(out + j);
+            },
+            [&](int64_t j) {
+              out[j] = static_cast<acc_t>((static_cast<double>(gv[j]) - out[j] * s) * p.scale);
+            });
       } else {
-        const double sum_p = sum_f64(n, [&](int64_t j) { return static_cast<double>(yv[j]); });
-        const double sum_gy = sum_f64(
-            n, [&](int64_t j) { return static_cast<double>(gv[j]) * static_cast<double>(yv[j]); });
-        s = sum_p > 0 ? sum_gy / sum_p : 0;
-        for (int64_t j = 0; j < n; ++j)
-          out[j] = static_cast<acc_t>((static_cast<double>(gv[j]) - s) * yv[j] * p.scale);
+        const auto [sum_p, sum_gy] = chunked_sums<acc_t, 2>(
+            n,
+            [&](int64_t j) {
+              const Vec yj = Vec::loadu(yv + j);
+              return std::array<Vec, 2>{yj, Vec::loadu(gv + j) * yj};
+            },
+            [&](int64_t j) {
+              const double yj = yv[j];
+              return std::array<double, 2>{yj, static_cast<double>(gv[j]) * yj};
+            });
+        const double s = sum_p > 0 ? sum_gy / sum_p : 0;
+        const acc_t s_hi = static_cast<acc_t>(s);
+        const Vec vhi(s_hi), vlo(static_cast<acc_t>(s - static_cast<double>(s_hi)));
+        for_each_vec<acc_t>(
+            n,
+            [&](int64_t j) {
+              ((((Vec::loadu(gv + j) - vhi) - vlo) * Vec::loadu(yv + j)) * vscale).store(out + j);
+            },
+            [&](int64_t j) {
+              out[j] = static_cast<acc_t>((static_cast<double>(gv[j]) - s) * yv[j] * p.scale);
+            });
       }
       const int64_t n_act = p.causal ? std::min(n, r % p.q_len + 1) : n;  // causal: j <= i
       if (mask) {
