@@ -108,7 +108,7 @@ double chunked_sum(int64_t n, const FV& fv, const FS& fs) {
 }
 
 // The sum over [0, n) of f(j), a double, in double: eight partial sums, which the compiler
-// keeps in vector registers. For the backward passes, whose sums cancel: the products of two
+// keeps in vector registers. For the norm backward, whose sums cancel: the products of two
 // opmath values are exact in double.
 template <typename F>
 double sum_f64(int64_t n, const F& f) {
