@@ -7,7 +7,9 @@ torch.cuda.is_available(): a build machine may have no GPU.
 
 import glob
 import os
+import sys
 
+import torch
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
@@ -29,6 +31,11 @@ def make_extension():
     # No -std flag: torch.utils.cpp_extension passes the standard this torch was built with
     # (C++20 for recent releases); forcing another one breaks the ABI of torch's headers.
     cxx_flags = ["-O3"]
+    # at::parallel_for is a header template: built with torch's OpenMP backend it is an
+    # `omp parallel` region in our own code, which runs on one thread unless compiled with
+    # -fopenmp. Not linked with it: the OpenMP runtime is the one libtorch_cpu loads.
+    if torch.backends.openmp.is_available() and sys.platform.startswith("linux"):
+        cxx_flags.append("-fopenmp")
     common = sources("registration.cpp", "common/**/*.cpp", "cpu/**/*.cpp")
     with_cuda = torch_has_cuda() and cpp_extension.CUDA_HOME is not None
     if os.environ.get("MTI_FORCE_CPU", "0") == "1":
