@@ -26,6 +26,7 @@ forward's argument), or under torch.compile.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -59,6 +60,9 @@ def _adopt(new: nn.Module, old: nn.Module) -> nn.Module:
 _is_compiling = torch.compiler.is_compiling
 _calibration: _call_site.Calibration | None = None
 _warned: set[type] = set()
+# Call sites refused with a count under a calibration: (code, offset) -> (count, calibration).
+_refused: dict[tuple, tuple] = {}
+_MAX_REFUSED = 4096  # past this many call sites, they are forgotten
 
 
 class _Probe(nn.Module):
@@ -115,8 +119,22 @@ class _InplaceModule:
             return False
         calibration = _calibration or _calibrate()
         held = calibration is not None and _call_site.held_by_call_only(input, calibration)
-        if not held and calibration is not None and _calibrate(again=True) != calibration:
-            held = _call_site.held_by_call_only(input, _calibration)  # measured just now
+        if not held and calibration is not None:
+            # Measure again, unless this call site was refused with this count under this
+            # calibration before (a pre-norm block refuses every call): the counts move only
+            # when the interpreter's frame evaluation changes, which moves this count too.
+            try:
+                caller = sys._getframe(4)  # past forward, _call_impl and _wrapped_call_impl
+                site, refs = (caller.f_code, caller.f_lasti), sys.getrefcount(input)
+            except ValueError:
+                site = refs = None
+            if site is None or _refused.get(site) != (refs, calibration):
+                if _calibrate(again=True) != calibration:
+                    held = _call_site.held_by_call_only(input, _calibration)  # measured now
+                if not held and site is not None:
+                    if len(_refused) >= _MAX_REFUSED:
+                        _refused.clear()
+                    _refused[site] = (refs, _calibration)
         if not held:
             reason = (
                 "its input may be read after the call (another Python reference to it, or a "
