@@ -414,23 +414,22 @@ void softmax_backward_rows_impl(const scalar_t* y, const scalar_t* dy, scalar_t*
         yv = out = buf.data();  // each output overwrites the y it was computed from
         gv = buf.data() + n;
       }
-      // Vectorized in opmath: the two sums in one pass (chunked_sums), s in double; dy - s cancels
+      // Vectorized in opmath. The gradient's sum cancels (terms of both signs), so it is summed
+      // in double (sum_f64), the probabilities' in opmath chunks; s in double. dy - s cancels
       // where dy is close to the row's mean gradient, so softmax subtracts s as hi + lo (each
       // difference rounded at its own size). A row's last elements (fewer than a vector) are
       // computed in double.
       const Vec vscale(static_cast<acc_t>(p.scale));
       if (p.log) {  // out = exp(y) in the sums' pass (each output overwrites only its inputs)
-        const auto [sum_p, sum_g] = chunked_sums<acc_t, 2>(
+        const double sum_p = chunked_sum<acc_t>(
             n,
             [&](int64_t j) {
               const Vec e = Vec::loadu(yv + j).exp();
               e.store(out + j);
-              return std::array<Vec, 2>{e, Vec::loadu(gv + j)};
+              return e;
             },
-            [&](int64_t j) {
-              out[j] = std::exp(yv[j]);
-              return std::array<double, 2>{out[j], gv[j]};
-            });
+            [&](int64_t j) { return out[j] = std::exp(yv[j]); });
+        const double sum_g = sum_f64(n, [&](int64_t j) { return static_cast<double>(gv[j]); });
         const double s = sum_p > 0 ? sum_g / sum_p : 0;  // 0: no active element
         const Vec neg_s(static_cast<acc_t>(-s));
         for_each_vec<acc_t>(
@@ -443,16 +442,11 @@ void softmax_backward_rows_impl(const scalar_t* y, const scalar_t* dy, scalar_t*
               out[j] = static_cast<acc_t>((static_cast<double>(gv[j]) - out[j] * s) * p.scale);
             });
       } else {
-        const auto [sum_p, sum_gy] = chunked_sums<acc_t, 2>(
-            n,
-            [&](int64_t j) {
-              const Vec yj = Vec::loadu(yv + j);
-              return std::array<Vec, 2>{yj, Vec::loadu(gv + j) * yj};
-            },
-            [&](int64_t j) {
-              const double yj = yv[j];
-              return std::array<double, 2>{yj, static_cast<double>(gv[j]) * yj};
-            });
+        const double sum_p =
+            chunked_sum<acc_t>(n, [&](int64_t j) { return Vec::loadu(yv + j); },
+                               [&](int64_t j) { return yv[j]; });
+        const double sum_gy = sum_f64(
+            n, [&](int64_t j) { return static_cast<double>(gv[j]) * static_cast<double>(yv[j]); });
         const double s = sum_p > 0 ? sum_gy / sum_p : 0;
         const acc_t s_hi = static_cast<acc_t>(s);
         const Vec vhi(s_hi), vlo(static_cast<acc_t>(s - static_cast<double>(s_hi)));
