@@ -601,19 +601,6 @@ def test_model_with_inplace_modules():
 # --------------------------------------------------------------------------- autograd
 
 
-def test_refuses_to_run_where_autograd_records():
-    model = make_block(PreNormBlock, "cpu").train()
-    converted = mti.convert(model)
-    x, mask = block_inputs("cpu")
-    with pytest.raises(RuntimeError, match="inference"):
-        converted(x, mask)
-    model.eval()
-    with pytest.raises(RuntimeError, match="inference"):
-        converted(x, mask)
-    with pytest.raises(RuntimeError, match="inference"):
-        converted(x.requires_grad_(), mask)
-
-
 def test_runs_with_grad_mode_on_when_nothing_requires_grad():
     model = make_block(PreNormBlock, "cpu").requires_grad_(False)
     converted = check_converted(model, *block_inputs("cpu"), mode=torch.enable_grad)

@@ -18,8 +18,12 @@ its in-place form when the tensor it would overwrite is dead there:
   folded op's position; nothing may touch those operands in between.
 - A graph with a value whose aliasing is unknown (a call without an example value, a
   non-strided tensor) is left unchanged. Our own ops, which return nothing, count as reads.
-- Inference only: autograd would save tensors that a later in-place op overwrites, so the
-  converted model refuses to run where autograd records.
+- Where autograd records (training), a tensor that an op saves for the backward is never
+  written over, and an op whose in-place form would save a copy of its input (GELU, mul_ by
+  a tensor that requires grad) stays as it is: saves.py finds both by running the graph on
+  fake tensors. A norm whose input lives on runs over a copy of it, so that it saves its
+  output (which the next op saves anyway) instead of its input; a square matmul runs in
+  place only by a frozen weight; batched products (attention's) are left to autograd.
 
 Patterns: F.linear / addmm / matmul with a square weight (-> linear_ / square_matmul_),
 softmax / log_softmax with the scale and additive mask that feed them folded in
@@ -28,7 +32,9 @@ softmax / log_softmax with the scale and additive mask that feed them folded in
 ``torch.where(keep, x, fill)`` (-> ``x.masked_fill_(~keep, fill)``), and elementwise
 arithmetic and activations (-> PyTorch's own ``mul_``, ``add_``, ``tanh_``, ...), and a
 batched matmul whose left operand is dead and at least as wide as the product (attention's
-``probs @ v`` -> matmul_over_left, the product written over the probabilities). Module
+``probs @ v`` -> matmul_over_left, the product written over the probabilities), and
+F.cross_entropy over dead float32/64 logits (-> cross_entropy_, the logits becoming their
+gradient). Module
 forms (nn.Linear, nn.Softmax, ...) reach the backend as these functions, since Dynamo inlines
 torch.nn modules.
 
@@ -59,9 +65,11 @@ tensors as captured and as rewritten (liveness.tensor_peak); a graph whose rewri
 raise that peak runs as captured.
 
 Modules: runtime (ConvertedModule, its backend and its calls), rewrite (the rewriter and Site),
-liveness (aliasing groups and their last reads), patterns (the ops recognised and their
-arguments), constants (constant masks), fake (what example values tell), pieces (the helpers
-rewritten graphs call), _compat (every private PyTorch API used, with its fallback).
+liveness (aliasing groups and their last reads), saves (what autograd saves), fuse (op
+sequences that are one op: Hugging Face's written-out RMSNorm), patterns (the ops recognised
+and their arguments), constants (constant masks), fake (what example values tell), pieces
+(the helpers rewritten graphs call), _compat (every private PyTorch API used, with its
+fallback).
 """
 
 from __future__ import annotations
@@ -99,9 +107,9 @@ def convert(model: nn.Module, verbose: bool = False) -> ConvertedModule:
     with the result; its methods called through the result (``generate``) run the converted
     forward wherever they call the model.
 
-    Inference only: running the result where autograd would record (grad mode on and a
-    parameter or input that requires grad) raises RuntimeError; use torch.no_grad() or
-    torch.inference_mode(), or the original model for training.
+    Where autograd records, the result trains as the model does (the same gradients), with
+    ops in place only where no tensor the backward needs is written over, and norms saving
+    their output instead of their input (see the package docstring).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")

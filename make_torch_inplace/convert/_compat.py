@@ -33,6 +33,8 @@ _statically_known_true = _resolve("torch.fx.experimental.symbolic_shapes", "stat
 _StorageWeakRef = _resolve("torch.multiprocessing.reductions", "StorageWeakRef")
 # Leaves the fake mode, to evaluate constant attention masks on real tensors.
 _unset_fake_temporarily = _resolve("torch._subclasses.fake_tensor", "unset_fake_temporarily")
+# A fake mode of our own, to run a graph's ops where autograd records and see what it saves.
+_FakeTensorMode = _resolve("torch._subclasses.fake_tensor", "FakeTensorMode")
 # Dynamo's run-only mode: the C-level switch and the counter that CUDA graph trees read.
 _set_eval_frame = _resolve("torch._C._dynamo.eval_frame", "set_eval_frame")
 _GenerationTracker = _resolve("torch._dynamo.mutation_guard", "GenerationTracker")
@@ -121,6 +123,21 @@ def real_tensors() -> contextlib.AbstractContextManager | None:
     """A context in which ops compute on real tensors even inside Dynamo's fake mode, or None
     where this torch has none: constant masks are then left unevaluated (kept as computed)."""
     return None if _unset_fake_temporarily is None else _unset_fake_temporarily()
+
+
+def fake_mode() -> contextlib.AbstractContextManager | None:
+    """A context in which new tensors are fake (no memory, no compute), outside any fake mode
+    Dynamo has set, or None where this torch has none: a graph captured where autograd
+    records is then left unchanged."""
+    if _FakeTensorMode is None or _unset_fake_temporarily is None:
+        return None
+    return _fake_scope()
+
+
+@contextlib.contextmanager
+def _fake_scope():
+    with _unset_fake_temporarily(), _FakeTensorMode(allow_non_fake_inputs=True):
+        yield
 
 
 def run_cached(module: torch.nn.Module, args, kwargs, compiled: Callable):

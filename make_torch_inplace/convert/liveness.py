@@ -18,14 +18,16 @@ class _Liveness:
 
     Groups are union-find sets over fake storages. A rewrite that makes node n write over
     tensor x merges n's storage into x's, and marks every input of the new node as read at
-    its position.
+    its position. Where autograd records, `saves` (saves.saved_values) says which nodes save
+    which values for the backward: those groups may not be written over at all.
     """
 
-    def __init__(self, graph: fx.Graph) -> None:
+    def __init__(self, graph: fx.Graph, saves: dict[fx.Node, set[fx.Node]] | None = None) -> None:
         self.pos: dict[fx.Node, int] = {}
         self._parent: dict[Hashable, Hashable] = {}
         self._last_read: dict[Hashable, int] = {}
         self._inputs: set[Hashable] = set()
+        self._saved_by: dict[Hashable, set[fx.Node]] = {}  # group -> the nodes saving it
         for i, node in enumerate(graph.nodes):
             self.pos[node] = i
             for key in _storages(node):
@@ -35,6 +37,9 @@ class _Liveness:
             self.note_reads(node, i)
             if _drops_nothing(node) and _storages(node) and _storages(node.args[0]):
                 self.merge(node, node.args[0])  # the same tensor at run time
+        for saver, values in (saves or {}).items():
+            for value in values:
+                self.mark_saved(value, saver)
 
     def _root(self, key: Hashable) -> Hashable:
         while self._parent[key] != key:
@@ -59,11 +64,21 @@ class _Liveness:
             for root in self._roots(inp):
                 self._last_read[root] = max(self._last_read.get(root, -1), pos)
 
-    def dead_after(self, node: fx.Node, pos: int) -> bool:
-        """True if `node`'s value may be overwritten at `pos`: nothing reads it later."""
+    def mark_saved(self, node: fx.Node, saver: fx.Node) -> None:
+        """`saver` saves `node`'s value for the backward."""
+        for root in self._roots(node):
+            self._saved_by.setdefault(root, set()).add(saver)
+
+    def dead_after(self, node: fx.Node, pos: int, saver: fx.Node | None = None) -> bool:
+        """True if `node`'s value may be overwritten at `pos`: nothing reads it later, and
+        nothing saves it for the backward but `saver` (the op being rewritten, whose in-place
+        form saves its output instead)."""
         roots = self._roots(node)
         return bool(roots) and all(
-            r not in self._inputs and self._last_read.get(r, -1) <= pos for r in roots
+            r not in self._inputs
+            and self._last_read.get(r, -1) <= pos
+            and self._saved_by.get(r, set()) <= {saver}
+            for r in roots
         )
 
     def last_read(self, node: fx.Node) -> int:
@@ -92,6 +107,8 @@ class _Liveness:
                 )
                 if root in self._inputs:
                     self._inputs.add(keep)
+                if root in self._saved_by:
+                    self._saved_by.setdefault(keep, set()).update(self._saved_by[root])
 
 
 def tensor_peak(graph: fx.Graph) -> int:

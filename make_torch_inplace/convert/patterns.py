@@ -30,6 +30,16 @@ _UNARY = ("input",)
 _WITH_INPLACE = ("input", "inplace")
 _POW = ("input", "exponent")
 _WHERE = ("condition", "input", "other")
+_CROSS_ENTROPY = (
+    "input",
+    "target",
+    "weight",
+    "size_average",
+    "ignore_index",
+    "reduce",
+    "reduction",
+    "label_smoothing",
+)
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _UNARY_NAMES = ("tanh", "exp", "sigmoid", "neg", "rsqrt", "sqrt", "relu")
 
@@ -61,6 +71,7 @@ _FUNCTIONS: dict[Callable, tuple[str, tuple[str, ...]]] = {
     torch.pow: ("pow", _POW),
     torch.where: ("where", _WHERE),
     F.scaled_dot_product_attention: ("sdpa", _SDPA),
+    F.cross_entropy: ("cross_entropy", _CROSS_ENTROPY),
     **{getattr(torch, name): (name, _UNARY) for name in _UNARY_NAMES},
 }
 
@@ -96,6 +107,14 @@ _DEFAULTS: dict[str, dict[str, object]] = {
     "gelu": {"approximate": "none"},
     "pow": {},
     "where": {},
+    "cross_entropy": {
+        "weight": None,
+        "size_average": None,
+        "ignore_index": -100,
+        "reduce": None,
+        "reduction": "mean",
+        "label_smoothing": 0.0,
+    },
     "sdpa": {
         "attn_mask": None,
         "dropout_p": 0.0,

@@ -27,6 +27,7 @@ from .fake import (
     _tensor,
     _unanalyzable_node,
 )
+from .fuse import fuse_rms_norms
 from .liveness import _Liveness, tensor_peak
 from .patterns import (
     _DEFAULTS,
@@ -40,6 +41,7 @@ from .patterns import (
     _softmax_inputs,
 )
 from .pieces import attention_in_pieces, matmul_over_left, square_matmul_over_dead
+from .saves import inplace_saves, recording, saved_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +128,24 @@ def _rewrite_graph(
     before = tensor_peak(gm.graph)
     captured = fx.Graph()
     captured.output(captured.graph_copy(gm.graph, {}))
+    fuse_rms_norms(gm.graph)
+    saves = None
+    if recording(gm.graph):
+        saves = saved_values(gm)
+        if saves is None:
+            if report:
+                report(
+                    "mti.convert: graph left unchanged: autograd records it, and what it saves "
+                    "for the backward could not be found (an op that does not run on fake "
+                    "tensors)"
+                )
+            gm.graph = captured
+            gm.recompile()
+            return None
     constants = _Constants(gm.graph) if constants is None else constants
     sites = [_fold_sdpa_mask(node, constants) for node in list(gm.graph.nodes)]
     dropped = [_drop_mask_keeping_all(node, constants) for node in list(gm.graph.nodes)]
-    rewriter = _Rewriter(gm.graph, constants)
+    rewriter = _Rewriter(gm.graph, constants, saves)
     for site, old, kept in filter(None, dropped):
         rewriter.live.merge(old, kept)  # the same tensor now
         sites.append(site)
@@ -305,10 +321,16 @@ def _fold_sdpa_mask(node: fx.Node, constants: _Constants) -> Site | None:
 
 
 class _Rewriter:
-    def __init__(self, graph: fx.Graph, constants: _Constants) -> None:
+    """Rewrites one graph's nodes. `saves` (saves.saved_values): where autograd records the
+    graph, what each node saves for the backward; then no saved tensor is written over, ops
+    whose in-place form would save a copy of its input stay as they are, and products of
+    batched matrices (attention's) are left to autograd, which saves their operands."""
+
+    def __init__(self, graph: fx.Graph, constants: _Constants, saves: dict | None = None) -> None:
         self.graph = graph
         self.constants = constants
-        self.live = _Liveness(graph)
+        self.training = saves is not None
+        self.live = _Liveness(graph, saves)
         self.sites: list[Site] = []
         # softmax_ nodes of the first pass -> their sites, which attention_in_pieces takes over
         self._softmax_sites: dict[fx.Node, Site] = {}
@@ -358,6 +380,7 @@ class _Rewriter:
                 new = self._replace(
                     result, fn, (base,), kwargs, base, at=node, erase=[node, *reversed(folded)]
                 )
+                self._keeps_output(new)
                 self._softmax_sites[new] = self._site(fn, pattern, node, result)
                 return
 
@@ -388,6 +411,8 @@ class _Rewriter:
             self._matmul(node, family, a)
         elif family in ("layer_norm", "rms_norm"):
             self._norm(node, family, a)
+        elif family == "cross_entropy":
+            self._cross_entropy(node, a)
         elif family == "where":
             self._where(node, a)
 
@@ -409,11 +434,17 @@ class _Rewriter:
             or not self.live.disjoint(x, [keep, fill])
         ):
             return
+        drop_value = torch.empty_like(k)
+        keeps = self._training_form(torch.Tensor.masked_fill_, (x, drop_value, fill), {})
+        if keeps is None:
+            return
         with self.graph.inserting_before(node):
             drop = self.graph.call_function(torch.logical_not, (keep,))
-        drop.meta["example_value"] = torch.empty_like(k)
+        drop.meta["example_value"] = drop_value
         self.live.add(drop, pos)
-        self._replace(node, torch.Tensor.masked_fill_, (x, drop, fill), {}, x)
+        new = self._replace(node, torch.Tensor.masked_fill_, (x, drop, fill), {}, x)
+        if keeps:
+            self._keeps_output(new)
         self._site(torch.Tensor.masked_fill_, ["where"], node, node)
 
     def _elementwise(self, node, family, a) -> None:
@@ -435,7 +466,12 @@ class _Rewriter:
                 and self.live.disjoint(target, others)
             ):
                 kwargs = {k: a[k] for k in carried if a[k] != _DEFAULTS[family][k]}
-                self._replace(node, fn, (target, *others), kwargs, target)
+                keeps = self._training_form(fn, (target, *others), kwargs)
+                if keeps is None:
+                    continue
+                new = self._replace(node, fn, (target, *others), kwargs, target)
+                if keeps:
+                    self._keeps_output(new)
                 self._chain(self._site(fn, [family], node, node))
                 return
 
@@ -471,6 +507,8 @@ class _Rewriter:
                 return
             x, weight, bias, fn = a["mat1"], a["mat2"], a["input"], ops.square_matmul_
         t, w = _tensor(x), _tensor(weight)
+        if self.training and (w is None or w.requires_grad or w.dim() >= 3):
+            return  # the weight's gradient, and attention's backward, need x
         if family == "matmul" and t is not None and w is not None and w.dim() >= 3:
             if not self._attention(node, x, weight) and self._over_left_ok(node, x, weight):
                 self._replace(
@@ -608,26 +646,88 @@ class _Rewriter:
         return True
 
     def _norm(self, node, family, a) -> None:
+        """A norm over its dead input in place; where autograd records and the input lives on
+        (a pre-norm block's residual), over a copy of it: the norm then saves its output,
+        which the next op saves anyway, instead of its input."""
         x, weight = a["input"], a["weight"]
         t = _tensor(x)
         params = [p for p in (weight, a.get("bias")) if p is not None]
         if t is None or not all(_like(_tensor(p), t) for p in params):
             return
         pos = self.live.pos[node]
-        if not (
-            _inplace_ok(t, _tensor(node), mti_op=True)
-            and self.live.dead_after(x, pos)
-            and self.live.disjoint(x, params)
-        ):
+        if not (_inplace_ok(t, _tensor(node), mti_op=True) and self.live.disjoint(x, params)):
             return
+        pattern = [family]
+        if not self.live.dead_after(x, pos, saver=node):
+            if not self.training:
+                return
+            with self.graph.inserting_before(node):
+                copy = self.graph.call_function(torch.clone, (x,))
+            copy.meta["example_value"] = torch.empty_like(t)
+            self.live.add(copy, pos)
+            x = copy
+            pattern.insert(0, "clone")
         if family == "layer_norm":
             fn, args = ops.layer_norm_, (x, a["normalized_shape"], weight, a["bias"], a["eps"])
         else:
             fn, args = ops.rms_norm_, (x, a["normalized_shape"], weight, a["eps"])
-        self._replace(node, fn, args, {}, x)
-        self._site(fn, [family], node, node)
+        new = self._replace(node, fn, args, {}, x)
+        self._keeps_output(new)
+        site = self._site(fn, pattern, node, node)
+        if x is not a["input"]:  # the copy is allocated as the output was
+            self.sites[-1] = dataclasses.replace(site, nbytes=0)
+
+    def _cross_entropy(self, node, a) -> None:
+        """F.cross_entropy over dead float32/64 logits -> cross_entropy_, which writes the
+        loss's gradient over them: autograd saves that, not a log-softmax of the logits."""
+        x, target = a["input"], a["target"]
+        t, tt, loss = _tensor(x), _tensor(target), _tensor(node)
+        if (
+            t is None
+            or tt is None
+            or loss is None
+            or a["weight"] is not None
+            or a["size_average"] is not None
+            or a["reduce"] is not None
+            or a["reduction"] not in ("mean", "sum", "none")
+            or not _is_number(a["ignore_index"])
+            or not _is_number(a["label_smoothing"])
+            or t.dtype not in (torch.float32, torch.float64)
+            or loss.dtype != t.dtype
+            or t.dim() != tt.dim() + 1
+            or tt.dtype != torch.int64
+            or not _contiguous_dims(t.shape, t.stride())
+            or not self.live.dead_after(x, self.live.pos[node], saver=node)
+            or not self.live.disjoint(x, [target])
+        ):
+            return
+        args = (x, target, a["ignore_index"], a["reduction"], a["label_smoothing"])
+        with self.graph.inserting_before(node):
+            new = self.graph.call_function(ops.cross_entropy_, args)
+        new.meta.update(node.meta)  # the loss: a new tensor, as the original op's
+        self.live.add(new, self.live.pos[node])
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+        self._site(ops.cross_entropy_, ["cross_entropy"], new, x)
 
     # ----------------------------------------------------------------- shared
+
+    def _training_form(self, fn, args, kwargs) -> bool | None:
+        """Whether PyTorch's in-place `fn(*args, **kwargs)` saves its output for the backward
+        (False where autograd does not record the graph); None where it would save a copy of
+        its input instead (then the rewrite saves nothing), or cannot be told."""
+        if not self.training:
+            return False
+        saves = inplace_saves(fn, args, kwargs)
+        if saves is None or saves[0]:
+            return None
+        return saves[1]
+
+    def _keeps_output(self, new: fx.Node) -> None:
+        """Where autograd records, `new` (an in-place op) saves the tensor it wrote for the
+        backward: no later op may write over it."""
+        if self.training:
+            self.live.mark_saved(new, new)
 
     def _replace(self, result, fn, args, kwargs, target, at=None, erase=(), value=None):
         """Puts `fn(*args, **kwargs)`, which writes over `target`, in the place of `result`.

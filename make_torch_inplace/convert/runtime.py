@@ -107,8 +107,6 @@ class ConvertedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         grad = torch.is_grad_enabled()
-        if grad:  # under no_grad / inference_mode, skip the call
-            _check_no_autograd(self.module, args, kwargs)
         # Dynamo reads _CAPTURE_CONFIG only when it captures, which can happen only where the
         # inputs' layouts differ from every earlier call's (its guards passed for those).
         # Patching the config costs tens of microseconds, so only a call with a new signature
@@ -293,14 +291,3 @@ def _arg_signature(a):
         leaves, spec = _compat.tree_flatten(a)
         return spec, tuple([_arg_signature(leaf) for leaf in leaves])
     return a if isinstance(a, (int, float, bool, str, type(None))) else type(a)
-
-
-def _check_no_autograd(module: nn.Module, args, kwargs) -> None:
-    tensors = [t for t in _compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if any(t.requires_grad for t in tensors) or any(p.requires_grad for p in module.parameters()):
-        raise RuntimeError(
-            "convert: the converted model runs ops in place, which is only done for "
-            "inference, but autograd would record this call (grad mode is on and a parameter "
-            "or input requires grad). Call it under torch.no_grad() or torch.inference_mode(), "
-            "freeze the parameters (requires_grad_(False)), or train with the original model."
-        )

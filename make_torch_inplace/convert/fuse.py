@@ -1,0 +1,129 @@
+"""Op sequences that compute one op the rewriter knows, replaced by that op before rewriting.
+
+RMSNorm as Hugging Face models write it out (Llama, Mistral, Qwen2 and their kin):
+
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * x32.to(x.dtype)
+
+seven ops, which where autograd records save a float32 copy of x and the normalized tensor
+besides the output, and allocate three x-sized temporaries. As F.rms_norm(x, [n], weight,
+eps) it is one op, which the rewriter then runs as rms_norm_ (saving its output alone). The
+result differs from the written-out form by rounding only: the product by weight is rounded
+to x's dtype once, not twice.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from .fake import _tensor
+from .patterns import _is_number
+
+
+def fuse_rms_norms(graph: fx.Graph) -> int:
+    """Replaces each written-out RMSNorm in `graph` by F.rms_norm; returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        found = _rms_norm_chain(node)
+        if found is None:
+            continue
+        x, weight, eps, chain = found
+        with graph.inserting_before(node):
+            new = graph.call_function(F.rms_norm, (x, [_tensor(x).shape[-1]], weight, eps))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        for dead in chain:  # from the output back to x's conversion, each used only by the next
+            graph.erase_node(dead)
+        count += 1
+    return count
+
+
+_MUL = (operator.mul, torch.mul, "mul")
+_ADD = (operator.add, torch.add, "add")
+_RSQRT = (torch.rsqrt, "rsqrt")
+_POW = (torch.pow, "pow")
+
+
+def _call(node, targets, nargs: int, **kwargs) -> bool:
+    """node calls one of `targets` (functions, or method names) with `nargs` positional
+    arguments and exactly these keyword arguments."""
+    return (
+        isinstance(node, fx.Node)
+        and node.op in ("call_function", "call_method")
+        and node.target in targets
+        and len(node.args) == nargs
+        and node.kwargs == kwargs
+    )
+
+
+def _other(node: fx.Node, arg: fx.Node):
+    """The operand of a binary node besides `arg`."""
+    a, b = node.args
+    return b if a is arg else a
+
+
+def _rms_norm_chain(out: fx.Node):
+    """(x, weight, eps, the chain's nodes from `out` back) if `out` ends a written-out RMSNorm
+    (module docstring) whose every intermediate value only the next op reads, else None."""
+    if not _call(out, _MUL, 2):
+        return None
+    for h, weight in (out.args, reversed(out.args)):
+        found = _normalized(h)
+        if found is None or not isinstance(weight, fx.Node):
+            continue
+        x, eps, chain = found
+        t, w, o = _tensor(x), _tensor(weight), _tensor(out)
+        if (
+            t is not None
+            and w is not None
+            and o is not None
+            and w.dim() == 1
+            and isinstance(t.shape[-1], int)
+            and w.shape[0] == t.shape[-1]
+            and t.dtype == w.dtype == o.dtype
+            and t.device == w.device
+        ):
+            return x, weight, eps, [out, *chain]
+    return None
+
+
+def _normalized(h):
+    """(x, eps, chain) if h is x32 * rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) in x's
+    dtype (.to(dtype) of it, or itself)."""
+    chain = []
+    if _call(h, ("to",), 2) and len(h.users) == 1:
+        chain.append(h)
+        h = h.args[0]
+    if not (_call(h, _MUL, 2) and len(h.users) == 1):
+        return None
+    for x32, r in (h.args, reversed(h.args)):
+        if not (_call(r, _RSQRT, 1) and len(r.users) == 1):
+            continue
+        v = r.args[0]
+        if not (_call(v, _ADD, 2) and len(v.users) == 1):
+            continue
+        var, eps = v.args if _is_number(v.args[1]) else reversed(v.args)
+        if not (_is_number(eps) and _call(var, ("mean",), 2, keepdim=True)):
+            continue
+        p = var.args[0]
+        if not (
+            var.args[1] in (-1, [-1], (-1,))
+            and len(var.users) == 1
+            and _call(p, _POW, 2)
+            and p.args == (x32, 2)
+            and len(p.users) == 1
+            and _call(x32, ("to",), 2)
+            and x32.args[1] is torch.float32
+            and set(x32.users) == {p, h}
+        ):
+            continue
+        x = x32.args[0]
+        if not isinstance(x, fx.Node):
+            continue
+        return x, float(eps), [*chain, h, r, v, var, p, x32]
+    return None

@@ -1,0 +1,237 @@
+"""convert() where autograd records: losses, gradients and optimizer steps are the model's
+(against an fp64 copy, PyTorch's own error as the yardstick), no tensor autograd saves is
+written over, norms save their output instead of their input, and autograd's own checks still
+fire where the model itself writes over a saved tensor."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from convert_helpers import D, PreNormBlock, block_inputs, make_block, ops_of
+from helpers import assert_accurate, randn
+from torch import nn
+
+import make_torch_inplace as mti
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+def _loss_weight(shape, dtype):
+    return randn(shape, dtype, "cpu", seed=7)
+
+
+def _step(model, inputs, loss_of, kwargs):
+    """loss, and the parameters' gradients, of one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(model(*inputs, **kwargs))
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]
+
+
+def check_training(model, inputs, loss_of, **kwargs):
+    """One training step through convert(model): its loss and gradients against an fp64 copy
+    of the model, run first, with the unconverted model's as the yardstick. Returns the
+    converted module."""
+    as64 = [x.double() if x.is_floating_point() else x for x in inputs]
+    loss64, grads64 = _step(copy.deepcopy(model).double(), as64, loss_of, kwargs)
+    loss_t, grads_t = _step(copy.deepcopy(model), inputs, loss_of, kwargs)
+    converted = mti.convert(model)
+    loss, grads = _step(converted, inputs, loss_of, kwargs)
+    assert_accurate(loss, loss_t, loss64, "loss")
+    assert len(grads) == len(grads64)
+    for i, (g, t, r) in enumerate(zip(grads, grads_t, grads64)):
+        if r is None:  # a parameter the loss does not reach (BERT's pooler)
+            assert g is None and t is None
+            continue
+        assert_accurate(g, t, r, f"grad #{i}")
+    return converted
+
+
+def _masked_sum(out):
+    return (out * _loss_weight(out.shape, out.dtype).to(out.dtype)).sum()
+
+
+def test_pre_norm_block_trains():
+    """The norms' input (the residual) lives on: each norm runs over a copy, saving its output;
+    the scores are dead and not saved, so softmax runs over them; GELU, whose in-place form
+    would save a copy of its input, and the products autograd saves operands of, stay."""
+    model = make_block(PreNormBlock, "cpu").train()
+    x, mask = block_inputs("cpu")
+    converted = check_training(model, (x.requires_grad_(), mask), _masked_sum)
+    ops = ops_of(converted)
+    assert ops.count("layer_norm_") == 2 and "softmax_" in ops
+    assert not {"gelu_", "attention_in_pieces", "matmul_over_left", "linear_"} & set(ops)
+    assert all(s.pattern.startswith("clone") for s in converted.sites if s.op == "layer_norm_")
+
+
+class FrozenSquare(nn.Module):
+    """A trainable projection, then a frozen square one over its (dead, unsaved) output."""
+
+    def __init__(self):
+        super().__init__()
+        self.trained = nn.Linear(D, D)
+        self.frozen = nn.Linear(D, D).requires_grad_(False)
+
+    def forward(self, x):
+        return torch.tanh(self.frozen(self.trained(x) + 1.0))
+
+
+def test_frozen_square_weight_runs_in_place():
+    model = make_block(FrozenSquare, "cpu").train()
+    x = randn((2, 8, D), torch.float32, "cpu", seed=1)
+    converted = check_training(model, (x,), _masked_sum)
+    assert "linear_" in ops_of(converted)  # the frozen one; the trained one's weight needs x
+
+
+def _llama(dtype, layers=2):
+    config = transformers.LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=D,
+        intermediate_size=3 * D,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype).train()
+
+
+def _hf_base(kind, attn):
+    common = dict(vocab_size=128, attn_implementation=attn)
+    if kind == "llama":
+        return _llama(torch.float32).model
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=D, n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, **common
+        )
+        cls = transformers.GPT2Model
+    else:
+        config = transformers.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=D,
+            intermediate_size=4 * D,
+            num_attention_heads=4,
+            hidden_dropout_prob=0,
+            attention_probs_dropout_prob=0,
+            **common,
+        )
+        cls = transformers.BertModel
+    torch.manual_seed(0)
+    return cls(config).train()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert"])
+def test_transformers_train(kind, attn):
+    model = _hf_base(kind, attn)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    converted = check_training(model, (ids,), lambda out: _masked_sum(out.last_hidden_state))
+    ops = ops_of(converted)
+    norm = "rms_norm_" if kind == "llama" else "layer_norm_"
+    assert norm in ops  # Llama's written-out RMSNorm is one op
+    assert attn != "eager" or kind == "llama" or "softmax_" in ops
+
+
+def test_bf16_causal_lm_loss_runs_in_place():
+    """The LM loss over the float32 copy of the logits runs as cross_entropy_, which autograd
+    saves instead of a log-softmax of them; gradients as the model's within bf16 rounding."""
+    model = _llama(torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    converted = check_training(model, (ids,), lambda out: out.loss, labels=ids)
+    assert "cross_entropy_" in ops_of(converted)
+
+
+def _saved_bytes(model, ids, loss_of) -> int:
+    """Bytes of the distinct storages autograd saves during one forward."""
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_of(model(ids, labels=ids))
+    return sum(storages.values())
+
+
+def test_norms_save_their_output():
+    """Llama's norms save one tensor each (their output, which the projections after them
+    save anyway) instead of a float32 copy of their input and the normalized tensor."""
+    model = _llama(torch.float32)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def loss_of(out):
+        return out.loss
+
+    before = _saved_bytes(model, ids, loss_of)
+    after = _saved_bytes(mti.convert(model), ids, loss_of)
+    rows, layers = 2 * 12, 2
+    # Per layer, two norms each drop at least one saved rows x D float32 tensor.
+    assert after <= before - 2 * layers * rows * D * 4
+
+
+def test_optimizer_steps_match():
+    """Three SGD steps with momentum (Adam would turn the gradients that are 0 but for rounding,
+    such as the key bias's, into steps of the learning rate's size)."""
+    model = make_block(PreNormBlock, "cpu").train()
+    model64, reference = copy.deepcopy(model).double(), copy.deepcopy(model)
+    x, mask = block_inputs("cpu")
+    for m, inputs in (
+        (model64, (x.double(), mask.double())),
+        (reference, (x, mask)),
+        (mti.convert(model), (x, mask)),
+    ):
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        for _ in range(3):
+            opt.zero_grad()
+            _masked_sum(m(*inputs)).backward()
+            opt.step()
+    for i, (p, t, r) in enumerate(
+        zip(model.parameters(), reference.parameters(), model64.parameters())
+    ):
+        assert_accurate(p.detach(), t.detach(), r.detach(), f"parameter #{i}")
+
+
+class WritesSaved(nn.Module):
+    """Writes over sigmoid's output, which autograd saves: PyTorch refuses in the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        y = torch.sigmoid(self.lin(x))
+        y.add_(1.0)
+        return y
+
+
+def test_autograd_still_refuses_writing_over_a_saved_tensor():
+    model = make_block(WritesSaved, "cpu").train()
+    x = randn((2, D), torch.float32, "cpu", seed=1)
+    for m in (model, mti.convert(model)):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            m(x).sum().backward()
+
+
+def test_gradient_of_a_value_saved_by_a_later_op_is_right():
+    """h = tanh(a) is read by exp_-able ops and saved by h * w (w requires grad): no later op
+    may write over h, though nothing reads it in the forward after the product."""
+
+    class Saved(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(D))
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))
+            p = h * self.w
+            return F.silu(p.exp() + h.sum(-1, keepdim=True))
+
+    model = make_block(Saved, "cpu").train()
+    x = randn((3, D), torch.float32, "cpu", seed=1)
+    check_training(model, (x,), _masked_sum)
