@@ -9,7 +9,7 @@ function. Models, all with vocabulary 32000 and positions up to 8192:
   keys and values); the anchors of issue 60.
 - llama-lora: the same Llama fine-tuned LoRA-style: every weight frozen, rank-16 adapters
   (alpha 32) on q_proj and v_proj (LoRALinear below).
-- gpt2: GPT2LMHeadModel, 4 layers, n_embd 2048, 16 heads, MLP 8192 (283M parameters against
+- gpt2: GPT2LMHeadModel, 4 layers, n_embd 2048, 16 heads, MLP 8192 (284M parameters against
   Llama's 337M; the LM head is tied to the embedding, as in GPT-2).
 - bert: BertForMaskedLM, 4 layers, hidden 2048, 16 heads, intermediate 8192 (288M
   parameters); 15% of the positions masked and predicted.
