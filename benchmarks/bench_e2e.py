@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -42,6 +41,7 @@ import make_torch_inplace as mti
 from benchmarks.common import (
     DEFAULT_REP_MS,
     best_device,
+    earlier_records,
     env_info,
     fmt_bytes,
     markdown_table,
@@ -340,19 +340,6 @@ def report(records: list[dict]) -> None:
     print(f"wrote {json_path}, {md_path}, {out / 'e2e_peak.png'}, {out / 'e2e_latency.png'}")
 
 
-def _earlier_part(env: dict, models: list[str]) -> list[dict]:
-    """The records of e2e.json for models other than `models`, from the same commit, device
-    and torch: the earlier parts of one sweep."""
-    path = results_dir() / "e2e.json"
-    if not path.exists():
-        return []
-    same = ("commit", "device", "torch")
-    old = json.loads(path.read_text())
-    if any(r[k] != env[k] for r in old for k in same):
-        sys.exit(f"--append: {path} holds records of another commit, device or torch")
-    return [r for r in old if r["model"] not in models]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="Llama only, seq 512 and 1024")
@@ -381,7 +368,7 @@ def main() -> None:
     dtype = torch.bfloat16
     env = env_info()
     print(f"{env['device']}, torch {env['torch']}, commit {env['commit']}")
-    records = _earlier_part(env, models) if args.append else []
+    records = earlier_records("e2e", env, lambda r: r["model"] not in models) if args.append else []
     for name in models:
         records += run_model(name, seqs, size, device, dtype, env)
         report(records)  # after each model: a sweep cut short keeps what it measured

@@ -15,6 +15,7 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -378,6 +379,20 @@ def write_results(name: str, records: list[dict], table_md: str) -> tuple[Path, 
     header = f"# {name}\n\n{env['device']}, torch {env['torch']}, commit {env['commit']}\n\n"
     md_path.write_text(header + table_md.rstrip() + "\n")
     return json_path, md_path
+
+
+def earlier_records(name: str, env: dict, keep: Callable[[dict], bool]) -> list[dict]:
+    """The records of <results>/<name>.json that `keep` accepts, when all are of env's commit,
+    device and torch: the earlier parts of a sweep run in parts (a script's --append). Exits
+    when the file holds another commit's, device's or torch's records."""
+    path = results_dir() / f"{name}.json"
+    if not path.exists():
+        return []
+    same = ("commit", "device", "torch")
+    old = json.loads(path.read_text())
+    if any(r[k] != env[k] for r in old for k in same):
+        sys.exit(f"--append: {path} holds records of another commit, device or torch")
+    return [r for r in old if keep(r)]
 
 
 def _cell(value: object) -> str:
