@@ -595,6 +595,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     parser.add_argument(
+        "--quick", action="store_true", help="Llama at seq 4096, 6 timed and 3 loss steps"
+    )
+    parser.add_argument(
         "--append",
         action="store_true",
         help="keep train.json's records of other (model, seq) cases when they are of this "
@@ -607,7 +610,9 @@ def main(argv: list[str] | None = None) -> None:
         print("no GPU: tiny configs (--tiny)")
         args.tiny = True
     size = TINY if args.tiny else FULL
-    seqs = args.seq or (TINY_SEQS if args.tiny else SEQS)
+    if args.quick:
+        args.models, args.steps, args.loss_steps = ["llama"], 6, 3
+    seqs = args.seq or (TINY_SEQS if args.tiny else [4096] if args.quick else SEQS)
     if max(seqs) > size.max_seq:
         parser.error(f"seq {max(seqs)} exceeds the configs' positions, {size.max_seq}")
     # fp32 on the CPU: the tiny check compares variants tightly there.

@@ -139,6 +139,7 @@ else
   bench bench_square_matmul quick
   bench bench_cross_entropy quick
   bench bench_e2e quick
+  bench bench_train quick
 fi
 
 # ---------------------------------------------------------------- summary
