@@ -1,6 +1,5 @@
 """benchmarks/bench_train.py end to end at --tiny on the CPU (fp32): the records it writes,
-eager attention's loss and gradients against SDPA's, and convert's (measured, or refused where
-autograd records)."""
+eager attention's loss and gradients against SDPA's, and convert's."""
 
 import json
 import sys

@@ -141,7 +141,28 @@ def test_bf16_causal_lm_loss_runs_in_place():
     model = _llama(torch.bfloat16)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
     converted = check_training(model, (ids,), lambda out: out.loss, labels=ids)
-    assert "cross_entropy_" in ops_of(converted)
+    (site,) = [s for s in converted.sites if s.op == "cross_entropy_"]
+    # The logits are the model's output: the op runs over a 16-bit copy of them.
+    assert site.pattern == "clone -> float -> view -> cross_entropy"
+
+
+class LossOnly(nn.Module):
+    """A causal LM's loss alone: its 16-bit logits are dead once their float32 copy is made."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = _llama(torch.bfloat16, layers=1)
+
+    def forward(self, ids):
+        return self.lm(ids, labels=ids).loss
+
+
+def test_loss_over_dead_16bit_logits_needs_no_copy():
+    model = LossOnly()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    converted = check_training(model, (ids,), lambda loss: loss)
+    (site,) = [s for s in converted.sites if s.op == "cross_entropy_"]
+    assert site.pattern == "float -> view -> cross_entropy" and site.dtype == torch.bfloat16
 
 
 def _saved_bytes(model, ids, loss_of) -> int:

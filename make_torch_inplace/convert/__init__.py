@@ -60,16 +60,16 @@ from the captured graph (no new capture). Conditions of a rewrite on the sizes t
 ``torch.where(keep_all, x, fill)`` or ``x + zeros`` is x itself where nothing writes either
 (T5's position bias, which transformers masks in every layer under torch.compile).
 
-Never worse: each rewrite's report (rewrite.GraphReport) holds the peak bytes of the graph's
+Never worse: each rewrite's report (report.GraphReport) holds the peak bytes of the graph's
 tensors as captured and as rewritten (liveness.tensor_peak); a graph whose rewrites would
 raise that peak runs as captured.
 
-Modules: runtime (ConvertedModule, its backend and its calls), rewrite (the rewriter and Site),
-liveness (aliasing groups and their last reads), saves (what autograd saves), fuse (op
-sequences that are one op: Hugging Face's written-out RMSNorm), patterns (the ops recognised
-and their arguments), constants (constant masks), fake (what example values tell), pieces
-(the helpers rewritten graphs call), _compat (every private PyTorch API used, with its
-fallback).
+Modules: runtime (ConvertedModule, its backend and its calls), rewrite (the rewriter), report
+(Site and GraphReport), liveness (aliasing groups and their last reads), saves (what autograd
+saves), fuse (op sequences that are one op: Hugging Face's written-out RMSNorm), patterns (the
+ops recognised and their arguments), constants (constant masks), fake (what example values
+tell), pieces (the helpers rewritten graphs call), _compat (every private PyTorch API used,
+with its fallback).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from __future__ import annotations
 from torch import nn
 
 from .pieces import attention_in_pieces, matmul_over_left, square_matmul_over_dead
-from .rewrite import Site
+from .report import Site
 from .runtime import ConvertedModule
 
 __all__ = [

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import os
-import re
 from collections.abc import Callable, Sequence
 
 import torch
@@ -41,70 +39,8 @@ from .patterns import (
     _softmax_inputs,
 )
 from .pieces import attention_in_pieces, matmul_over_left, square_matmul_over_dead
+from .report import GraphReport, Site, _mib, _where
 from .saves import inplace_saves, recording, saved_values
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """One rewritten place: the ops in `pattern` now run as `op`, writing over a dead tensor."""
-
-    op: str  # the in-place op, e.g. "softmax_", "linear_", "mul_"
-    pattern: str  # the original ops, e.g. "mul -> add -> softmax -> to"
-    where: str  # module path and source line of the original op
-    shape: tuple[int, ...]  # output shape (size hints for dynamic dims)
-    dtype: torch.dtype
-    # Bytes of the output the original op allocated, which it no longer does. A square
-    # matmul borrows up to the workspace limit (mti.set_workspace_limit) while it runs (and
-    # runs out of place, saving nothing, where its output fits within the limit),
-    # attention_in_pieces as much for its scores (at least one matrix) and allocates the
-    # product of probs @ v (unless that goes over the scores), and matmul_over_left a piece of
-    # its product (_OVER_LEFT_PIECE_BYTES, at least one matrix), so their net saving is
-    # nbytes minus that. Sites do not add up to a saving of the peak: GraphReport does that.
-    nbytes: int
-    # Sites of the first pass that this one took over (attention_in_pieces: the softmax_
-    # of its scores), on this site's line and not counted again.
-    parts: tuple[Site, ...] = ()
-
-    def __str__(self) -> str:
-        shape = "x".join(map(str, self.shape))
-        dtype = str(self.dtype).removeprefix("torch.")
-        return (
-            f"{self.where}: {self.pattern} as {self.op} [{shape} {dtype}, "
-            f"{_mib(self.nbytes)} not allocated]"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class GraphReport:
-    """The rewrites of one captured graph and what they do to its peak.
-
-    `before` and `after` are the peak bytes of the graph's own tensors (liveness.tensor_peak:
-    each value's storage held from the node that makes it to the last read of any tensor
-    sharing it, the output included, model inputs and parameters not; the workspaces of
-    square_matmul_, attention_in_pieces and matmul_over_left at their nodes) for the graph
-    as captured and as rewritten, at the capture's sizes. A rewrite only merges an output's
-    storage into its dead input's or drops a tensor, and PyTorch's in-place ops allocate
-    nothing, so the drop of this peak is what the rewrites save of the graph's memory; it
-    does not exceed the sum of the sites' bytes (every byte held at the new peak's moment
-    was either held before at that moment or is a workspace counted in `after`). Memory
-    that kernels allocate inside an op the rewrite left as it was is in neither figure.
-    """
-
-    sites: tuple[Site, ...]
-    before: int
-    after: int
-
-    def lines(self) -> list[str]:
-        saved = self.before - self.after
-        head = (
-            f"mti.convert: {len(self.sites)} sites; the graph's tensors peak at "
-            f"{_mib(self.after)} instead of {_mib(self.before)} (saves {_mib(saved)})"
-        )
-        return [head, *(f"  {site}" for site in self.sites)]
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB" if abs(n) < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
 def _rewrite_graph(
@@ -679,7 +615,11 @@ class _Rewriter:
 
     def _cross_entropy(self, node, a) -> None:
         """F.cross_entropy over dead float32/64 logits -> cross_entropy_, which writes the
-        loss's gradient over them: autograd saves that, not a log-softmax of the logits."""
+        loss's gradient over them: autograd saves that, not a log-softmax of the logits. Over
+        a float32 copy of 16-bit logits (a causal LM's loss: logits.float().view(-1, V)), the
+        op reads the 16-bit logits themselves, or a copy of them where they live on (they are
+        the model's output), and writes the gradient in their dtype, which autograd would
+        round it to anyway: half the float32 copy's memory, and no float32 gradient."""
         x, target = a["input"], a["target"]
         t, tt, loss = _tensor(x), _tensor(target), _tensor(node)
         if (
@@ -697,18 +637,52 @@ class _Rewriter:
             or t.dim() != tt.dim() + 1
             or tt.dtype != torch.int64
             or not _contiguous_dims(t.shape, t.stride())
-            or not self.live.dead_after(x, self.live.pos[node], saver=node)
             or not self.live.disjoint(x, [target])
         ):
+            return
+        pos = self.live.pos[node]
+        pattern, nbytes = ["cross_entropy"], t.untyped_storage().nbytes()
+        upcast = _upcast_view(x)
+        if upcast is not None:
+            src, erase = upcast
+            over = src
+            if not self.live.dead_after(src, pos):
+                over = self._insert(node, torch.clone, (src,), torch.empty_like(_tensor(src)))
+                nbytes -= _tensor(src).untyped_storage().nbytes()
+            if erase[0] is not erase[-1]:  # the view, as the float32 copy was viewed
+                view = erase[0]
+                x = self._insert(node, view.target, (over, *view.args[1:]), _view_of(over, t))
+            else:
+                x = over
+            pattern = [_name(n) for n in reversed(erase)] + pattern
+            if over is not src:
+                pattern.insert(0, "clone")
+        elif self.live.dead_after(x, pos, saver=node):
+            erase = []
+        else:
             return
         args = (x, target, a["ignore_index"], a["reduction"], a["label_smoothing"])
         with self.graph.inserting_before(node):
             new = self.graph.call_function(ops.cross_entropy_, args)
         new.meta.update(node.meta)  # the loss: a new tensor, as the original op's
-        self.live.add(new, self.live.pos[node])
+        self.live.add(new, pos)
         node.replace_all_uses_with(new)
-        self.graph.erase_node(node)
-        self._site(ops.cross_entropy_, ["cross_entropy"], new, x)
+        for dead in [node, *erase]:
+            self.graph.erase_node(dead)
+        site = self._site(ops.cross_entropy_, pattern, new, x)
+        self.sites[-1] = dataclasses.replace(site, nbytes=nbytes)
+
+    def _insert(self, before: fx.Node, target, args, value) -> fx.Node:
+        """A new node computing `target(*args)` (a method, if a string) before `before`, whose
+        example value is `value`."""
+        with self.graph.inserting_before(before):
+            if isinstance(target, str):
+                new = self.graph.call_method(target, args, {})
+            else:
+                new = self.graph.call_function(target, args)
+        new.meta["example_value"] = value
+        self.live.add(new, self.live.pos[before])
+        return new
 
     # ----------------------------------------------------------------- shared
 
@@ -772,13 +746,29 @@ class _Rewriter:
         return site
 
 
-def _where(node: fx.Node) -> str:
-    """Module path and source line of a node, for the report."""
-    stack = node.meta.get("nn_module_stack") or {}
-    path = list(stack.values())[-1][0] if stack else ""
-    path = re.sub(r"^L\['[^']*'\]\.?", "", path) or "(top)"
-    files = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
-    if files:
-        file, line = files[-1]
-        path += f" ({os.path.basename(file)}:{line})"
-    return path
+def _view_of(node: fx.Node, like: torch.Tensor) -> torch.Tensor:
+    """The example value of a view of node's tensor shaped like `like`."""
+    return _tensor(node).view(like.shape)
+
+
+def _upcast_view(x: fx.Node):
+    """(src, [x, ..., the conversion]) if x is a float32 copy of a contiguous 16-bit `src`,
+    as is or through one view/reshape, each value read only by the next."""
+    chain = [x]
+    if x.op == "call_method" and x.target in ("view", "reshape") and len(x.users) == 1:
+        x = x.args[0]
+        chain.append(x)
+    if not (isinstance(x, fx.Node) and x.args and _is_conversion(x, x.args[0])):
+        return None
+    src, t, out = x.args[0], _tensor(x.args[0]), _tensor(x)
+    if (
+        len(x.users) != 1
+        or t is None
+        or out is None
+        or out.dtype != torch.float32
+        or t.dtype not in (torch.float16, torch.bfloat16)
+        or not _same_layout(t, out)
+        or not _contiguous_dims(t.shape, t.stride())
+    ):
+        return None
+    return src, chain

@@ -13,7 +13,7 @@ from torch import fx, nn
 
 from . import _compat, rewrite
 from .constants import _Constants, _size_placeholders
-from .rewrite import Site
+from .report import GraphReport, Site
 
 # Dynamo keeps compiled graphs per code object, shared by every instance of a model class, and
 # each convert() brings its own backend; the default limit (8) would send later converted
@@ -102,7 +102,7 @@ class ConvertedModule(nn.Module):
     def report(self) -> str:
         """What convert did, one block per rewritten graph (a captured graph, or its rewrite for
         a class of sizes): the graph's sites, one line each, and the peak of its tensors before
-        and after (rewrite.GraphReport)."""
+        and after (report.GraphReport)."""
         return "\n".join(line for r in self._backend.reports for line in r.lines())
 
     def forward(self, *args, **kwargs):
@@ -172,7 +172,7 @@ class _Backend:
 
     def __init__(self, verbose: bool) -> None:
         self.verbose = verbose
-        self.reports: list[rewrite.GraphReport] = []
+        self.reports: list[GraphReport] = []
         self.graph_calls = 0  # calls of the graphs it returned, which ConvertedModule reads
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
