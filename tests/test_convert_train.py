@@ -13,6 +13,7 @@ from helpers import assert_accurate, randn
 from torch import nn
 
 import make_torch_inplace as mti
+from make_torch_inplace.convert import silu_mul
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -132,6 +133,7 @@ def test_transformers_train(kind, attn):
     ops = ops_of(converted)
     norm = "rms_norm_" if kind == "llama" else "layer_norm_"
     assert norm in ops  # Llama's written-out RMSNorm is one op
+    assert (kind == "llama") == any(s.op.startswith("silu_mul") for s in converted.sites)
     assert attn != "eager" or kind == "llama" or "softmax_" in ops
 
 
@@ -179,9 +181,10 @@ def _saved_bytes(model, ids, loss_of) -> int:
     return sum(storages.values())
 
 
-def test_norms_save_their_output():
+def test_llama_saves_less():
     """Llama's norms save one tensor each (their output, which the projections after them
-    save anyway) instead of a float32 copy of their input and the normalized tensor."""
+    save anyway) instead of a float32 copy of their input and the normalized tensor, and its
+    MLP does not save silu(gate)."""
     model = _llama(torch.float32)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
 
@@ -191,8 +194,25 @@ def test_norms_save_their_output():
     before = _saved_bytes(model, ids, loss_of)
     after = _saved_bytes(mti.convert(model), ids, loss_of)
     rows, layers = 2 * 12, 2
-    # Per layer, two norms each drop at least one saved rows x D float32 tensor.
-    assert after <= before - 2 * layers * rows * D * 4
+    # Per layer, two norms each drop at least one saved rows x D float32 tensor, and the MLP
+    # one rows x 3D tensor.
+    assert after <= before - layers * rows * (2 * D + 3 * D) * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_gradients(dtype):
+    g = randn((5, 3 * D), dtype, "cpu", seed=1).requires_grad_()
+    u = randn((5, 3 * D), dtype, "cpu", seed=2).requires_grad_()
+    grad = randn((5, 3 * D), dtype, "cpu", seed=3)
+    g64, u64 = (t.detach().double().requires_grad_() for t in (g, u))
+    (F.silu(g64) * u64).backward(grad.double())
+    out_t = F.silu(g) * u
+    grads_t = torch.autograd.grad(out_t, (g, u), grad)
+    out = silu_mul(g, u)
+    grads = torch.autograd.grad(out, (g, u), grad)
+    assert_accurate(out.detach(), out_t.detach(), (F.silu(g64) * u64).detach())
+    for ours, theirs, ref in zip(grads, grads_t, (g64.grad, u64.grad)):
+        assert_accurate(ours, theirs, ref)
 
 
 def test_optimizer_steps_match():

@@ -23,7 +23,9 @@ its in-place form when the tensor it would overwrite is dead there:
   a tensor that requires grad) stays as it is: saves.py finds both by running the graph on
   fake tensors. A norm whose input lives on runs over a copy of it, so that it saves its
   output (which the next op saves anyway) instead of its input; a square matmul runs in
-  place only by a frozen weight; batched products (attention's) are left to autograd.
+  place only by a frozen weight; batched products (attention's) are left to autograd;
+  ``F.silu(g) * u`` becomes silu_mul, which saves g and u and computes silu(g) again in the
+  backward instead of saving it.
 
 Patterns: F.linear / addmm / matmul with a square weight (-> linear_ / square_matmul_),
 softmax / log_softmax with the scale and additive mask that feed them folded in
@@ -76,7 +78,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .pieces import attention_in_pieces, matmul_over_left, square_matmul_over_dead
+from .pieces import attention_in_pieces, matmul_over_left, silu_mul, square_matmul_over_dead
 from .report import Site
 from .runtime import ConvertedModule
 
@@ -86,6 +88,7 @@ __all__ = [
     "attention_in_pieces",
     "convert",
     "matmul_over_left",
+    "silu_mul",
     "square_matmul_over_dead",
 ]
 

@@ -120,3 +120,38 @@ def attention_in_pieces(
             softmax(scores, dim, **softmax_kwargs)
             torch.matmul(scores, v[piece], out=out[piece])
     return out
+
+
+# silu_mul's backward computes this many elements at a time in float32: its temporaries.
+_SILU_MUL_PIECE = 1 << 22
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """F.silu(g) * u (a SwiGLU MLP's gate times its up projection) for contiguous g and u of
+    one shape and dtype, saving only g and u for the backward, which computes silu(g) again:
+    autograd would save silu(g) too, a third tensor of the MLP's width."""
+    return _SiluMul.apply(g, u)
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return F.silu(g).mul_(u)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, u = ctx.saved_tensors
+        grad_g = torch.empty_like(g, memory_format=torch.contiguous_format)
+        grad_u = torch.empty_like(u, memory_format=torch.contiguous_format)
+        # In pieces of rows (flattened), in float32 (float64 stays float64): silu(g) =
+        # g * s, its derivative s * (1 + g * (1 - s)), s = sigmoid(g).
+        flat = [t.reshape(-1) for t in (g, u, grad, grad_g, grad_u)]
+        dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+        for i in range(0, g.numel(), _SILU_MUL_PIECE):
+            g_i, u_i, d_i, gg_i, gu_i = (t[i : i + _SILU_MUL_PIECE] for t in flat)
+            x, up, d = g_i.to(dtype), u_i.to(dtype), d_i.to(dtype)
+            s = torch.sigmoid(x)
+            gu_i.copy_(d * x * s)
+            gg_i.copy_(d * up * s * (1 + x * (1 - s)))
+        return grad_g, grad_u

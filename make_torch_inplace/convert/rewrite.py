@@ -38,7 +38,7 @@ from .patterns import (
     _op_name,
     _softmax_inputs,
 )
-from .pieces import attention_in_pieces, matmul_over_left, square_matmul_over_dead
+from .pieces import attention_in_pieces, matmul_over_left, silu_mul, square_matmul_over_dead
 from .report import GraphReport, Site, _mib, _where
 from .saves import inplace_saves, recording, saved_values
 
@@ -384,6 +384,8 @@ class _Rewriter:
         self._site(torch.Tensor.masked_fill_, ["where"], node, node)
 
     def _elementwise(self, node, family, a) -> None:
+        if self.training and family == "mul" and self._silu_mul(node, a):
+            return
         fn, rest, carried = _ELEMENTWISE[family]
         if a.get("inplace"):  # already in place
             return
@@ -410,6 +412,37 @@ class _Rewriter:
                     self._keeps_output(new)
                 self._chain(self._site(fn, [family], node, node))
                 return
+
+    def _silu_mul(self, node, a) -> bool:
+        """F.silu(g) * u, the silu read by nothing else, where autograd records -> silu_mul,
+        which saves g and u but not silu(g). Returns whether it rewrote."""
+        for act, u in ((a["input"], a["other"]), (a["other"], a["input"])):
+            m = _match(act, ("silu",)) if isinstance(act, fx.Node) else None
+            if m is None or m[1]["inplace"] or len(act.users) != 1:
+                continue
+            g = m[1]["input"]
+            tg, tu, out = _tensor(g), _tensor(u), _tensor(node)
+            if (
+                tg is None
+                or tu is None
+                or out is None
+                or tg.dtype != tu.dtype
+                or not _same_layout(tg, tu)
+                or not _same_layout(tg, out)
+                or not _contiguous_dims(tg.shape, tg.stride())
+            ):
+                continue
+            new = self._insert(node, silu_mul, (g, u), out)
+            new.meta.update({k: v for k, v in node.meta.items() if k != "example_value"})
+            node.replace_all_uses_with(new)
+            self.graph.erase_node(node)
+            self.graph.erase_node(act)
+            self.live.mark_saved(g, new)
+            self.live.mark_saved(u, new)
+            self._site(silu_mul, ["silu", "mul"], new, act)
+            self.sites[-1] = dataclasses.replace(self.sites[-1], op="silu_mul (recomputes silu)")
+            return True
+        return False
 
     def _chain(self, site: Site) -> None:
         """Elementwise ops rewritten one after the other from the same source line, with
