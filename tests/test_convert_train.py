@@ -13,7 +13,7 @@ from helpers import assert_accurate, randn
 from torch import nn
 
 import make_torch_inplace as mti
-from make_torch_inplace.convert import silu_mul
+from make_torch_inplace.convert import linear_of_gelu, linear_of_silu_mul, silu_mul
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -133,7 +133,9 @@ def test_transformers_train(kind, attn):
     ops = ops_of(converted)
     norm = "rms_norm_" if kind == "llama" else "layer_norm_"
     assert norm in ops  # Llama's written-out RMSNorm is one op
-    assert (kind == "llama") == any(s.op.startswith("silu_mul") for s in converted.sites)
+    # The MLP's activation is computed again in the backward, not saved.
+    recomputed = "linear_of_silu_mul" if kind == "llama" else "linear_of_gelu"
+    assert sum(s.op.startswith(recomputed) for s in converted.sites) == 2
     assert attn != "eager" or kind == "llama" or "softmax_" in ops
 
 
@@ -182,9 +184,7 @@ def _saved_bytes(model, ids, loss_of) -> int:
 
 
 def test_llama_saves_less():
-    """Llama's norms save one tensor each (their output, which the projections after them
-    save anyway) instead of a float32 copy of their input and the normalized tensor, and its
-    MLP does not save silu(gate)."""
+    """What autograd saves of a Llama shrinks by the norms' inputs and the MLP's activations."""
     model = _llama(torch.float32)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
 
@@ -194,25 +194,48 @@ def test_llama_saves_less():
     before = _saved_bytes(model, ids, loss_of)
     after = _saved_bytes(mti.convert(model), ids, loss_of)
     rows, layers = 2 * 12, 2
-    # Per layer, two norms each drop at least one saved rows x D float32 tensor, and the MLP
-    # one rows x 3D tensor.
-    assert after <= before - layers * rows * (2 * D + 3 * D) * 4
+    # Per layer, each of two norms saves its output (which the projections after it save too)
+    # instead of its input and the normalized tensor: two rows x D tensors fewer; the MLP
+    # saves neither silu(gate) nor silu(gate) * up: two rows x 3D tensors fewer.
+    assert after <= before - layers * rows * (2 * 2 * D + 2 * 3 * D) * 4
 
 
+def _swiglu(g, u):
+    return F.silu(g) * u
+
+
+_RECOMPUTING = {
+    "silu_mul": (silu_mul, _swiglu, 2),
+    "linear_of_silu_mul": (linear_of_silu_mul, lambda g, u, w, b: F.linear(_swiglu(g, u), w, b), 2),
+    "linear_of_gelu": (
+        lambda x, w, b: linear_of_gelu(x, w, b, approximate="tanh"),
+        lambda x, w, b: F.linear(F.gelu(x, approximate="tanh"), w, b),
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_RECOMPUTING))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_gradients(dtype):
-    g = randn((5, 3 * D), dtype, "cpu", seed=1).requires_grad_()
-    u = randn((5, 3 * D), dtype, "cpu", seed=2).requires_grad_()
-    grad = randn((5, 3 * D), dtype, "cpu", seed=3)
-    g64, u64 = (t.detach().double().requires_grad_() for t in (g, u))
-    (F.silu(g64) * u64).backward(grad.double())
-    out_t = F.silu(g) * u
-    grads_t = torch.autograd.grad(out_t, (g, u), grad)
-    out = silu_mul(g, u)
-    grads = torch.autograd.grad(out, (g, u), grad)
-    assert_accurate(out.detach(), out_t.detach(), (F.silu(g64) * u64).detach())
-    for ours, theirs, ref in zip(grads, grads_t, (g64.grad, u64.grad)):
-        assert_accurate(ours, theirs, ref)
+def test_recomputing_pieces(name, dtype):
+    """The helpers that compute an activation again in the backward: values and gradients
+    against fp64, PyTorch's composition as the yardstick."""
+    ours, reference, n_inputs = _RECOMPUTING[name]
+    args = [randn((2, 5, 3 * D), dtype, "cpu", seed=i) for i in range(n_inputs)]
+    if name != "silu_mul":
+        args += [randn((D, 3 * D), dtype, "cpu", seed=8), randn((D,), dtype, "cpu", seed=9)]
+    args = [a.requires_grad_() for a in args]
+    args64 = [a.detach().double().requires_grad_() for a in args]
+    out64 = reference(*args64)
+    grad = randn(out64.shape, dtype, "cpu", seed=3)
+    grads64 = torch.autograd.grad(out64, args64, grad.double())
+    out_t = reference(*args)
+    grads_t = torch.autograd.grad(out_t, args, grad)
+    out = ours(*args)
+    grads = torch.autograd.grad(out, args, grad)
+    assert_accurate(out.detach(), out_t.detach(), out64.detach(), "value")
+    for i, (g, t, r) in enumerate(zip(grads, grads_t, grads64)):
+        assert_accurate(g, t, r, f"grad #{i}")
 
 
 def test_optimizer_steps_match():

@@ -25,7 +25,8 @@ its in-place form when the tensor it would overwrite is dead there:
   output (which the next op saves anyway) instead of its input; a square matmul runs in
   place only by a frozen weight; batched products (attention's) are left to autograd;
   ``F.silu(g) * u`` becomes silu_mul, which saves g and u and computes silu(g) again in the
-  backward instead of saving it.
+  backward instead of saving it, and a linear of it or of ``F.gelu(x)`` becomes
+  linear_of_silu_mul / linear_of_gelu, which save the activation's inputs alone.
 
 Patterns: F.linear / addmm / matmul with a square weight (-> linear_ / square_matmul_),
 softmax / log_softmax with the scale and additive mask that feed them folded in
@@ -68,17 +69,24 @@ raise that peak runs as captured.
 
 Modules: runtime (ConvertedModule, its backend and its calls), rewrite (the rewriter), report
 (Site and GraphReport), liveness (aliasing groups and their last reads), saves (what autograd
-saves), fuse (op sequences that are one op: Hugging Face's written-out RMSNorm), patterns (the
-ops recognised and their arguments), constants (constant masks), fake (what example values
-tell), pieces (the helpers rewritten graphs call), _compat (every private PyTorch API used,
-with its fallback).
+saves), fuse (op sequences that are one op: Hugging Face's written-out RMSNorm and GELU),
+patterns (the ops recognised and their arguments), constants (constant masks), fake (what
+example values tell), pieces (the helpers rewritten graphs call), _compat (every private
+PyTorch API used, with its fallback).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .pieces import attention_in_pieces, matmul_over_left, silu_mul, square_matmul_over_dead
+from .pieces import (
+    attention_in_pieces,
+    linear_of_gelu,
+    linear_of_silu_mul,
+    matmul_over_left,
+    silu_mul,
+    square_matmul_over_dead,
+)
 from .report import Site
 from .runtime import ConvertedModule
 
@@ -87,6 +95,8 @@ __all__ = [
     "Site",
     "attention_in_pieces",
     "convert",
+    "linear_of_gelu",
+    "linear_of_silu_mul",
     "matmul_over_left",
     "silu_mul",
     "square_matmul_over_dead",

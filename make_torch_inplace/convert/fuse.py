@@ -11,10 +11,18 @@ besides the output, and allocate three x-sized temporaries. As F.rms_norm(x, [n]
 eps) it is one op, which the rewriter then runs as rms_norm_ (saving its output alone). The
 result differs from the written-out form by rounding only: the product by weight is rounded
 to x's dtype once, not twice.
+
+GPT-2's GELU (transformers' NewGELUActivation), written out as eight ops:
+
+    0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+is F.gelu(x, approximate="tanh"): one op, which saves x alone where autograd records (the
+written-out form saves x, the tanh, 0.5 * x and 1 + tanh), rounding once.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -25,22 +33,34 @@ from .fake import _tensor
 from .patterns import _is_number
 
 
-def fuse_rms_norms(graph: fx.Graph) -> int:
-    """Replaces each written-out RMSNorm in `graph` by F.rms_norm; returns how many."""
-    count = 0
+def fuse(graph: fx.Graph) -> None:
+    """Replaces each written-out RMSNorm in `graph` by F.rms_norm, and each written-out tanh
+    GELU by F.gelu(x, approximate="tanh")."""
     for node in list(graph.nodes):
         found = _rms_norm_chain(node)
-        if found is None:
+        if found is not None:
+            x, weight, eps, chain = found
+            _replace(node, F.rms_norm, (x, [_tensor(x).shape[-1]], weight, eps), {}, chain)
             continue
-        x, weight, eps, chain = found
-        with graph.inserting_before(node):
-            new = graph.call_function(F.rms_norm, (x, [_tensor(x).shape[-1]], weight, eps))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        for dead in chain:  # from the output back to x's conversion, each used only by the next
-            graph.erase_node(dead)
-        count += 1
-    return count
+        found = _gelu_tanh_chain(node)
+        if found is not None:
+            x, chain = found
+            _replace(node, F.gelu, (x,), {"approximate": "tanh"}, chain)
+
+
+def _replace(node: fx.Node, fn, args, kwargs, chain: list[fx.Node]) -> None:
+    """fn(*args, **kwargs) in the place of `node`, the last of `chain`'s nodes, which go (each
+    read only by the ones after it)."""
+    with node.graph.inserting_before(node):
+        new = node.graph.call_function(fn, args, kwargs)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    for dead in sorted(chain, key=lambda n: -_order(n)):
+        node.graph.erase_node(dead)
+
+
+def _order(node: fx.Node) -> int:
+    return next(i for i, n in enumerate(node.graph.nodes) if n is node)
 
 
 _MUL = (operator.mul, torch.mul, "mul")
@@ -126,4 +146,45 @@ def _normalized(h):
         if not isinstance(x, fx.Node):
             continue
         return x, float(eps), [*chain, h, r, v, var, p, x32]
+    return None
+
+
+_TANH = (torch.tanh, "tanh")
+_GELU_CONSTANTS = (0.5, 0.044715, math.sqrt(2.0 / math.pi), 1.0, 3.0)
+
+
+def _scaled(node, constant: float):
+    """The operand that `node` multiplies by `constant` (either side), or None."""
+    if not _call(node, _MUL, 2):
+        return None
+    a, b = node.args
+    if a == constant and isinstance(b, fx.Node):
+        return b
+    if b == constant and isinstance(a, fx.Node):
+        return a
+    return None
+
+
+def _gelu_tanh_chain(out: fx.Node):
+    """(x, the chain's nodes) if `out` ends a written-out tanh GELU (module docstring) whose
+    intermediate values only the next op reads, else None."""
+    half, k, c, one, three = _GELU_CONSTANTS
+    if not _call(out, _MUL, 2):
+        return None
+    for h, b in (out.args, reversed(out.args)):
+        x = _scaled(h, half)
+        if x is None or not _call(b, _ADD, 2) or one not in b.args:
+            continue
+        t = b.args[1] if b.args[0] == one else b.args[0]
+        if not _call(t, _TANH, 1):
+            continue
+        inner = _scaled(t.args[0], c)
+        if not _call(inner, _ADD, 2) or x not in inner.args:
+            continue
+        cube = _scaled(_other(inner, x), k)
+        if not (_call(cube, _POW, 2) and cube.args == (x, three)):
+            continue
+        chain = [out, h, b, t, t.args[0], inner, _other(inner, x), cube]
+        if all(len(n.users) == 1 for n in chain[1:]) and _tensor(x) is not None:
+            return x, chain
     return None

@@ -122,36 +122,86 @@ def attention_in_pieces(
     return out
 
 
-# silu_mul's backward computes this many elements at a time in float32: its temporaries.
-_SILU_MUL_PIECE = 1 << 22
-
-
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """F.silu(g) * u (a SwiGLU MLP's gate times its up projection) for contiguous g and u of
-    one shape and dtype, saving only g and u for the backward, which computes silu(g) again:
-    autograd would save silu(g) too, a third tensor of the MLP's width."""
+    """F.silu(g) * u (a SwiGLU MLP's gate times its up projection) for g and u of one shape and
+    dtype, saving only g and u for the backward, which computes silu(g) again: autograd would
+    save silu(g) too, a third tensor of the MLP's width."""
     return _SiluMul.apply(g, u)
+
+
+def _silu_mul_value(g, u):
+    return F.silu(g).mul_(u)
+
+
+def _silu_mul_grads(grad, g, u):
+    """The gradients of silu(g) * u for g and u: PyTorch's own silu backward."""
+    grad_u = F.silu(g).mul_(grad)
+    return torch.ops.aten.silu_backward(grad * u, g), grad_u
 
 
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, u):
         ctx.save_for_backward(g, u)
-        return F.silu(g).mul_(u)
+        return _silu_mul_value(g, u)
 
     @staticmethod
     def backward(ctx, grad):
-        g, u = ctx.saved_tensors
-        grad_g = torch.empty_like(g, memory_format=torch.contiguous_format)
-        grad_u = torch.empty_like(u, memory_format=torch.contiguous_format)
-        # In pieces of rows (flattened), in float32 (float64 stays float64): silu(g) =
-        # g * s, its derivative s * (1 + g * (1 - s)), s = sigmoid(g).
-        flat = [t.reshape(-1) for t in (g, u, grad, grad_g, grad_u)]
-        dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-        for i in range(0, g.numel(), _SILU_MUL_PIECE):
-            g_i, u_i, d_i, gg_i, gu_i = (t[i : i + _SILU_MUL_PIECE] for t in flat)
-            x, up, d = g_i.to(dtype), u_i.to(dtype), d_i.to(dtype)
-            s = torch.sigmoid(x)
-            gu_i.copy_(d * x * s)
-            gg_i.copy_(d * up * s * (1 + x * (1 - s)))
-        return grad_g, grad_u
+        return _silu_mul_grads(grad, *ctx.saved_tensors)
+
+
+def linear_of_silu_mul(g, u, weight, bias=None):
+    """F.linear(silu(g) * u, weight, bias) (a SwiGLU MLP's down projection), saving g and u
+    only: the backward computes silu(g) * u again, which autograd would save for the weight's
+    gradient."""
+    return _LinearOfActivation.apply(_silu_mul_value, _silu_mul_grads, weight, bias, g, u)
+
+
+def linear_of_gelu(x, weight, bias=None, approximate="none"):
+    """F.linear(F.gelu(x, approximate=approximate), weight, bias), saving x only: the backward
+    computes the GELU again, which autograd would save for the weight's gradient."""
+
+    def value(x):
+        return F.gelu(x, approximate=approximate)
+
+    def grads(grad, x):
+        return (torch.ops.aten.gelu_backward(grad, x, approximate=approximate),)
+
+    return _LinearOfActivation.apply(value, grads, weight, bias, x)
+
+
+class _LinearOfActivation(torch.autograd.Function):
+    """F.linear(value(*inputs), weight, bias), saving the inputs and not value's result;
+    grads(grad_value, *inputs) gives the inputs' gradients."""
+
+    @staticmethod
+    def forward(ctx, value, grads, weight, bias, *inputs):
+        ctx.save_for_backward(weight, *inputs)
+        ctx.grads, ctx.value, ctx.has_bias = grads, value, bias is not None
+        act = value(*inputs)
+        # Into a tensor of the output's own (F.linear of a 3-d input returns a view, which
+        # autograd does not let later in-place ops write through).
+        out = act.new_empty((*act.shape[:-1], weight.shape[0]))
+        rows, out_rows = act.reshape(-1, act.shape[-1]), out.view(-1, weight.shape[0])
+        if bias is None:
+            torch.mm(rows, weight.t(), out=out_rows)
+        else:
+            torch.addmm(bias, rows, weight.t(), out=out_rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, *inputs = ctx.saved_tensors
+        want_w, want_b, *want_inputs = ctx.needs_input_grad[2:]
+        grad_w = grad_b = None
+        rows = grad.reshape(-1, grad.shape[-1])
+        if want_w:
+            act = ctx.value(*inputs)
+            grad_w = rows.t() @ act.reshape(-1, act.shape[-1])
+            del act
+        if want_b and ctx.has_bias:
+            grad_b = rows.sum(0)
+        grad_inputs = [None] * len(inputs)
+        if any(want_inputs):
+            grad_inputs = ctx.grads(grad @ weight, *inputs)
+        return None, None, grad_w, grad_b, *grad_inputs

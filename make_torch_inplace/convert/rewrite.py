@@ -25,7 +25,7 @@ from .fake import (
     _tensor,
     _unanalyzable_node,
 )
-from .fuse import fuse_rms_norms
+from .fuse import fuse
 from .liveness import _Liveness, tensor_peak
 from .patterns import (
     _DEFAULTS,
@@ -38,7 +38,14 @@ from .patterns import (
     _op_name,
     _softmax_inputs,
 )
-from .pieces import attention_in_pieces, matmul_over_left, silu_mul, square_matmul_over_dead
+from .pieces import (
+    attention_in_pieces,
+    linear_of_gelu,
+    linear_of_silu_mul,
+    matmul_over_left,
+    silu_mul,
+    square_matmul_over_dead,
+)
 from .report import GraphReport, Site, _mib, _where
 from .saves import inplace_saves, recording, saved_values
 
@@ -64,7 +71,7 @@ def _rewrite_graph(
     before = tensor_peak(gm.graph)
     captured = fx.Graph()
     captured.output(captured.graph_copy(gm.graph, {}))
-    fuse_rms_norms(gm.graph)
+    fuse(gm.graph)
     saves = None
     if recording(gm.graph):
         saves = saved_values(gm)
@@ -270,6 +277,8 @@ class _Rewriter:
         self.sites: list[Site] = []
         # softmax_ nodes of the first pass -> their sites, which attention_in_pieces takes over
         self._softmax_sites: dict[fx.Node, Site] = {}
+        # silu_mul nodes -> their sites, which linear_of_silu_mul takes over
+        self._silu_mul_sites: dict[fx.Node, Site] = {}
         self._last_elementwise: Site | None = None  # see _chain
 
     # ----------------------------------------------------------------- softmax (first pass)
@@ -441,13 +450,14 @@ class _Rewriter:
             self.live.mark_saved(u, new)
             self._site(silu_mul, ["silu", "mul"], new, act)
             self.sites[-1] = dataclasses.replace(self.sites[-1], op="silu_mul (recomputes silu)")
+            self._silu_mul_sites[new] = self.sites[-1]
             return True
         return False
 
     def _chain(self, site: Site) -> None:
         """Elementwise ops rewritten one after the other from the same source line, with
-        outputs of one shape (an activation written as arithmetic: GELU's tanh form is six
-        ops) are one site: one line in the report, with the bytes of all the outputs they no
+        outputs of one shape (an activation written as arithmetic that fuse.py does not
+        know) are one site: one line in the report, with the bytes of all the outputs they no
         longer allocate, and their ops in `op`, comma-separated."""
         last = self._last_elementwise
         self._last_elementwise = site
@@ -476,6 +486,8 @@ class _Rewriter:
                 return
             x, weight, bias, fn = a["mat1"], a["mat2"], a["input"], ops.square_matmul_
         t, w = _tensor(x), _tensor(weight)
+        if self.training and self._linear_of_activation(node, x, weight, bias, family):
+            return
         if self.training and (w is None or w.requires_grad or w.dim() >= 3):
             return  # the weight's gradient, and attention's backward, need x
         if family == "matmul" and t is not None and w is not None and w.dim() >= 3:
@@ -508,6 +520,59 @@ class _Rewriter:
                 node, square_matmul_over_dead, (x, weight, bias, family == "linear"), {}, x
             )
             self._site(fn, [family], node, node)
+
+    def _linear_of_activation(self, node, p, weight, bias, family) -> bool:
+        """Where autograd records: a linear (or GPT-2's addmm over a view) of silu_mul(g, u) or
+        F.gelu(x), read by nothing else, by a weight that requires grad -> linear_of_silu_mul
+        / linear_of_gelu, which save the activation's inputs but not the activation (the
+        weight's gradient computes it again). Returns whether it rewrote."""
+        w, out = _tensor(weight), _tensor(node)
+        if family == "matmul" or w is None or out is None or not w.requires_grad or w.dim() != 2:
+            return False
+        view = None
+        if family == "addmm" and p.op == "call_method" and p.target == "view":
+            view, p = p, p.args[0]
+        if not isinstance(p, fx.Node) or len(p.users) != 1 or (view and len(view.users) != 1):
+            return False
+        if p.op == "call_function" and p.target is silu_mul:
+            fn, inputs, kwargs, act = linear_of_silu_mul, list(p.args), {}, "silu -> mul"
+            recomputed = "silu(g) * u"
+        elif (m := _match(p, ("gelu",))) is not None:
+            fn, inputs, act, recomputed = linear_of_gelu, [m[1]["input"]], "gelu", "gelu"
+            kwargs = {"approximate": m[1]["approximate"]}
+        else:
+            return False
+        values = [_tensor(i) for i in inputs]
+        if any(v is None or v.dtype != w.dtype for v in values):
+            return False
+        if view is not None:  # the activation's inputs viewed as its output was
+            inputs = [
+                self._insert(node, "view", (i, *view.args[1:]), v.view(_tensor(view).shape))
+                for i, v in zip(inputs, values)
+            ]
+        if family == "addmm":  # x @ W + b is F.linear(x, W.t(), b)
+            weight = self._insert(node, "t", (weight,), w.t())
+        new = self._insert(node, fn, (*inputs, weight, bias), out)
+        new.kwargs = kwargs
+        new.meta.update({k: v for k, v in node.meta.items() if k != "example_value"})
+        node.replace_all_uses_with(new)
+        for dead in (node, view, p):
+            if dead is not None:
+                self.graph.erase_node(dead)
+        for i in inputs:
+            self.live.mark_saved(i, new)
+        pattern = [act, "view", family] if view is not None else [act, family]
+        absorbed = self._silu_mul_sites.pop(p, None)  # this site's part, on its line
+        if absorbed is not None:
+            self.sites.remove(absorbed)
+        site = self._site(fn, pattern, new, new)
+        self.sites[-1] = dataclasses.replace(
+            site,
+            op=f"{site.op} (recomputes {recomputed})",
+            nbytes=0,
+            parts=(absorbed,) if absorbed else (),
+        )
+        return True
 
     def _over_left_ok(self, node, a, b) -> bool:
         """Whether a @ b of batches of matrices (attention's probs @ v) may be written over a
