@@ -77,10 +77,13 @@ PyTorch API used, with its fallback).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from .pieces import (
     attention_in_pieces,
+    linear_cross_entropy,
     linear_of_gelu,
     linear_of_silu_mul,
     matmul_over_left,
@@ -95,6 +98,7 @@ __all__ = [
     "Site",
     "attention_in_pieces",
     "convert",
+    "linear_cross_entropy",
     "linear_of_gelu",
     "linear_of_silu_mul",
     "matmul_over_left",
@@ -103,7 +107,9 @@ __all__ = [
 ]
 
 
-def convert(model: nn.Module, verbose: bool = False) -> ConvertedModule:
+def convert(
+    model: nn.Module, verbose: bool = False, drop_outputs: Sequence[str] = ()
+) -> ConvertedModule:
     """Returns a module computing `model`'s forward with ops run in place where that is safe.
 
     An op writes over its input only where that input is dead: read by nothing later, not a
@@ -123,7 +129,14 @@ def convert(model: nn.Module, verbose: bool = False) -> ConvertedModule:
     Where autograd records, the result trains as the model does (the same gradients), with
     ops in place only where no tensor the backward needs is written over, and norms saving
     their output instead of their input (see the package docstring).
+
+    ``drop_outputs``: names of outputs (of a model returning a mapping, such as a transformers
+    ModelOutput) that the result returns as None, so that they are dead inside: with
+    ``("logits",)``, a causal LM trained on its loss never holds its logits whole
+    (linear_cross_entropy), as Liger-Kernel's fused linear cross entropy does.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
-    return ConvertedModule(model, verbose=verbose)
+    if isinstance(drop_outputs, str):
+        raise TypeError("convert: drop_outputs is a sequence of names, e.g. ('logits',)")
+    return ConvertedModule(model, verbose=verbose, drop_outputs=tuple(drop_outputs))

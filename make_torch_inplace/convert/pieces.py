@@ -8,6 +8,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from .. import ops
 
@@ -205,3 +206,67 @@ class _LinearOfActivation(torch.autograd.Function):
         if any(want_inputs):
             grad_inputs = ctx.grads(grad @ weight, *inputs)
         return None, None, grad_w, grad_b, *grad_inputs
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """F.cross_entropy(F.linear(h, weight).float(), target, ...) for (..., H) h, a (V, H) weight
+    and int64 target (...), "mean" or "sum", without the (..., V) logits: rows of them are made
+    a piece at a time (at most the workspace limit of them, at least one row), their loss taken
+    by cross_entropy_, which leaves their gradient in place, and that gradient multiplied into
+    h's and the weight's gradients at once. What autograd keeps is those two gradients (h's
+    size, and the weight's, accumulated in its dtype: one rounding per piece), not the logits.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction}"
+        )
+    return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction, label_smoothing)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, target, ignore_index, reduction, label_smoothing):
+        rows, t = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+        vocab = weight.shape[0]
+        step = max(1, ops.get_workspace_limit() // max(1, vocab * h.element_size()))
+        want_h, want_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(rows) if want_h else None
+        grad_w = torch.zeros_like(weight) if want_w else None
+        # "mean": the loss's sum over the rows whose target is not ignored, divided by their
+        # count, and so is each row's gradient.
+        scale = 1 / (t != ignore_index).sum() if reduction == "mean" else None
+        loss = torch.zeros((), dtype=torch.float64, device=h.device)
+        for r0 in range(0, rows.shape[0], step):
+            h_r, t_r = rows[r0 : r0 + step], t[r0 : r0 + step]
+            logits = h_r @ weight.t()
+            loss += ops.cross_entropy_(logits, t_r, ignore_index, "sum", label_smoothing)
+            if scale is not None:
+                logits.mul_(scale.to(logits.dtype))
+            if want_h:
+                torch.mm(logits, weight, out=grad_h[r0 : r0 + step])
+            if want_w:
+                grad_w.addmm_(logits.t(), h_r)
+        if scale is not None:
+            loss = loss * scale
+        ctx.save_for_backward(grad_h, grad_w)
+        loss = loss.float()  # as F.cross_entropy of float32 logits
+        ctx.shape = h.shape
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        # In place: one backward per forward (retain_graph cannot reuse it), as cross_entropy_.
+        if grad_h is not None:
+            grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype)).view(ctx.shape)
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype))
+        return grad_h, grad_w, None, None, None, None

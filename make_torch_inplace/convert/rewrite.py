@@ -40,6 +40,7 @@ from .patterns import (
 )
 from .pieces import (
     attention_in_pieces,
+    linear_cross_entropy,
     linear_of_gelu,
     linear_of_silu_mul,
     matmul_over_left,
@@ -739,6 +740,8 @@ class _Rewriter:
         ):
             return
         pos = self.live.pos[node]
+        if self._linear_cross_entropy(node, x, target, a):
+            return
         pattern, nbytes = ["cross_entropy"], t.untyped_storage().nbytes()
         upcast = _upcast_view(x)
         if upcast is not None:
@@ -769,6 +772,35 @@ class _Rewriter:
             self.graph.erase_node(dead)
         site = self._site(ops.cross_entropy_, pattern, new, x)
         self.sites[-1] = dataclasses.replace(site, nbytes=nbytes)
+
+    def _linear_cross_entropy(self, node, x, target, a) -> bool:
+        """The loss of logits that nothing else reads (not returned: see convert's
+        drop_outputs), F.linear(h, W) as float32 (viewed), where autograd records ->
+        linear_cross_entropy(h, W, ...): the logits are never allocated whole. Returns
+        whether it rewrote."""
+        chain = [x]  # from the loss's input back to the linear
+        while _is_view_or_float(chain[-1]) and len(chain[-1].users) == 1:
+            chain.append(chain[-1].args[0])
+        lin = chain[-1]
+        m = _match(lin, ("linear",)) if isinstance(lin, fx.Node) else None
+        if (
+            not self.training
+            or a["reduction"] not in ("mean", "sum")
+            or m is None
+            or m[1]["bias"] is not None
+            or len(lin.users) != 1
+            or _tensor(m[1]["input"]) is None
+        ):
+            return False
+        args = (m[1]["input"], m[1]["weight"], target, a["ignore_index"], a["reduction"])
+        new = self._insert(node, linear_cross_entropy, (*args, a["label_smoothing"]), _tensor(node))
+        new.meta.update({k: v for k, v in node.meta.items() if k != "example_value"})
+        node.replace_all_uses_with(new)
+        for dead in [node, *chain]:
+            self.graph.erase_node(dead)
+        pattern = ["linear", *(_name(n) for n in reversed(chain[:-1])), "cross_entropy"]
+        self._site(linear_cross_entropy, pattern, new, lin)
+        return True
 
     def _insert(self, before: fx.Node, target, args, value) -> fx.Node:
         """A new node computing `target(*args)` (a method, if a string) before `before`, whose
@@ -842,6 +874,16 @@ class _Rewriter:
         )
         self.sites.append(site)
         return site
+
+
+def _is_view_or_float(node) -> bool:
+    """node views its input (view, reshape) or converts it to float32 (float, to)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.args):
+        return False
+    if node.target in ("view", "reshape"):
+        return True
+    t = _tensor(node)
+    return node.target in ("float", "to") and t is not None and t.dtype == torch.float32
 
 
 def _view_of(node: fx.Node, like: torch.Tensor) -> torch.Tensor:

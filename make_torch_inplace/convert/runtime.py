@@ -61,7 +61,9 @@ _MAX_SIGNATURES = 4096
 class ConvertedModule(nn.Module):
     """`module` with its forward rewritten to run ops in place; made by convert()."""
 
-    def __init__(self, module: nn.Module, verbose: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, verbose: bool = False, drop_outputs: tuple[str, ...] = ()
+    ) -> None:
         super().__init__()
         self.module = module
         self._backend = _Backend(verbose)
@@ -73,7 +75,8 @@ class ConvertedModule(nn.Module):
         # parameters are registered once (under self.module). Dynamic shapes come from
         # _CAPTURE_CONFIG, not dynamic=True, which would patch Dynamo's config around every
         # call (see forward).
-        self._compiled_call = torch.compile(module.__call__, backend=self._backend)
+        self._call = _without(module, tuple(drop_outputs)) if drop_outputs else module
+        self._compiled_call = torch.compile(self._call.__call__, backend=self._backend)
         # The model as its own methods see it when called through this module (see
         # __getattr__); set past nn.Module.__setattr__, which would register it as a submodule.
         object.__setattr__(self, "_model_calling_converted", _calling(module, self))
@@ -139,7 +142,7 @@ class ConvertedModule(nn.Module):
         # nothing. The count of our graphs that ran tells, and the signature's later calls go
         # through torch.compile, which captures anew where the guards fail.
         ran = self._backend.graph_calls
-        out = _compat.run_cached(self.module, args, kwargs, self._compiled_call)
+        out = _compat.run_cached(self._call, args, kwargs, self._compiled_call)
         if self._backend.graph_calls - ran != graphs:
             self._captured[signature] = _THROUGH_COMPILE
             if self._backend.graph_calls == ran:
@@ -239,6 +242,24 @@ class _SizeClasses:
             self._by_sizes.clear()
         self._by_sizes[sizes] = forward
         return forward
+
+
+class _without:
+    """module's calls, with the outputs `names` of its result (a mapping: a transformers
+    ModelOutput, a dict) set to None: the graph then does not return them, so they are dead
+    where the rewriter looks (a causal LM's logits, where only the loss is wanted)."""
+
+    def __init__(self, module: nn.Module, names: tuple[str, ...]) -> None:
+        self.module, self.names = module, names
+
+    def __call__(self, *args, **kwargs):
+        out = self.module(*args, **kwargs)
+        if not isinstance(out, dict):
+            raise TypeError(
+                f"convert: drop_outputs needs a model returning a mapping (a transformers "
+                f"ModelOutput, a dict), got {type(out).__name__}"
+            )
+        return type(out)(**{k: (None if k in self.names else v) for k, v in out.items()})
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
