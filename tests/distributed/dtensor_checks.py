@@ -13,13 +13,18 @@ import torch
 import torch.nn.functional as F
 from helpers import (
     assert_accurate,
+    examples,
+    lead_shapes,
     randn,
     ref_layer_norm,
     ref_log_softmax,
     ref_rms_norm,
     ref_softmax,
     ref_square_matmul,
+    seeds,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -175,6 +180,33 @@ def cross_entropy_values(ctx):
         what = f"cross_entropy_ {reduction} {placements}"
         assert_accurate(loss.full_tensor().cpu(), loss32, loss64, what + " loss")
         assert_accurate(ld.full_tensor().cpu(), grad32, grad64, what + " gradient")
+
+
+@check
+def row_ops_drawn_shapes(ctx):
+    """softmax_ and rms_norm_ on drawn shapes, sharded on a drawn dim other than the last:
+    served where that dim has at least as many elements as ranks (uneven shards included),
+    else refused. Derandomized: both ranks draw the same examples, so their collectives pair
+    up."""
+
+    @settings(derandomize=True, database=None, deadline=None, max_examples=examples(12))
+    @given(lead=lead_shapes(max_size=5).filter(len), width=st.integers(1, 40), seed=seeds)
+    def body(lead, width, seed):
+        x = randn((*lead, width), F32, "cpu", seed)
+        shard = [Shard(seed % len(lead))]
+        cases = (
+            (mti.softmax_, ref_softmax, (), {}),
+            (mtid.rms_norm_, ref_rms_norm, ((width,),), {}),
+        )
+        for op, ref, args, kwargs in cases:
+            if lead[shard[0].dim] < 2:
+                refused(ctx, op, dt(ctx, x, shard), *args, match="sharded 2 ways", **kwargs)
+                continue
+            truth, torch_out = references(ref, x, *args, **kwargs)
+            out = run_in_place(op, dt(ctx, x, shard), *args, **kwargs)
+            assert_accurate(out, torch_out, truth, f"{op.__name__} {tuple(x.shape)} {shard}")
+
+    body()
 
 
 # --------------------------------------------------------------------------- refusals

@@ -1,18 +1,17 @@
-"""Runs named checks on every rank of a 2-rank process group and brings back, per check,
-None (passed) or the first rank's failure.
+"""Runs every check of the given modules on each rank of a 2-rank process group and brings
+back, per check, None (passed) or the first failing rank's traceback.
 
-One spawn serves a whole test file: starting ranks and a process group costs seconds, a
-check a few milliseconds. A check is fn(ctx) with ctx.mesh (1-D, both ranks), ctx.rank and
-ctx.device; it raises to fail. Every rank runs every check in the same order, so a check's
-collectives (distribute_tensor, full_tensor) pair up across ranks; a check that fails on one
-rank before a collective would leave the other waiting, so checks do their collectives
-before asserting.
+One spawn serves all the checks: starting ranks and a process group costs seconds, a check
+milliseconds. A check is fn(ctx) with ctx.mesh (1-D, both ranks), ctx.rank and ctx.device; it
+raises to fail. Every rank runs every check in the same order, so the checks' collectives
+(distribute_tensor, full_tensor) pair up across ranks; a check that fails on one rank only,
+before a collective, leaves the other waiting until the process group's timeout.
 """
 
 from __future__ import annotations
 
 import os
-import socket
+import sys
 import tempfile
 import traceback
 from dataclasses import dataclass
@@ -33,12 +32,6 @@ class Ctx:
     device: torch.device
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def all_checks(modules: list[str]) -> dict:
     """The CHECKS dicts of `modules`, merged (check names are unique across them)."""
     checks = {}
@@ -47,15 +40,21 @@ def all_checks(modules: list[str]) -> dict:
     return checks
 
 
-def _rank_main(rank, port, backend, modules, out_dir):
+def _rank_main(rank, backend, modules, out_dir):
     from torch.distributed.tensor import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device_type = "cuda" if backend == "nccl" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     # A rank that fails before a collective leaves the other waiting: time out, not hang.
-    dist.init_process_group(backend, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    # Rendezvous through a file in out_dir: no port to pick, so none to collide.
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{Path(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=60),
+    )
     try:
         mesh = init_device_mesh(device_type, (WORLD,))
         device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
@@ -72,6 +71,12 @@ def _rank_main(rank, port, backend, modules, out_dir):
         Path(out_dir, f"rank{rank}.txt").write_text("\n".join(lines))
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's finalization: gloo's worker threads, torn down there,
+    # now and then abort the process ("terminate called without an active exception") after
+    # every verdict is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_checks(modules: list[str], backend: str) -> dict[str, str | None]:
@@ -79,7 +84,7 @@ def run_checks(modules: list[str], backend: str) -> dict[str, str | None]:
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(
             _rank_main,
-            args=(_free_port(), backend, modules, out_dir),
+            args=(backend, modules, out_dir),
             nprocs=WORLD,
             join=True,
         )

@@ -8,11 +8,16 @@ import torch.distributed as dist
 from launch import run_checks
 
 BACKENDS = [
-    pytest.param("gloo", marks=pytest.mark.skipif(not dist.is_gloo_available(), reason="gloo")),
+    pytest.param(
+        "gloo",
+        marks=pytest.mark.skipif(
+            not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo"
+        ),
+    ),
     pytest.param(
         "nccl",
         marks=pytest.mark.skipif(
-            not (dist.is_nccl_available() and torch.cuda.device_count() >= 2),
+            not (dist.is_available() and dist.is_nccl_available()) or torch.cuda.device_count() < 2,
             reason="needs 2 CUDA devices and NCCL",
         ),
     ),
