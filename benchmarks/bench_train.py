@@ -17,8 +17,10 @@ function. Models, all with vocabulary 32000 and positions up to 8192:
 Variants: eager (HF eager attention), sdpa (HF scaled_dot_product_attention: the reference,
 always run), compile (torch.compile of the SDPA model), liger (Liger-Kernel's
 apply_liger_kernel_to_llama on the SDPA model: Llama only; skipped with the reason elsewhere
-or where liger_kernel does not import), convert (mti.convert of the SDPA model) and
-convert+compile (torch.compile(mti.convert(model))). A variant that raises (OOM, a refusal, a
+or where liger_kernel does not import), convert (mti.convert of the SDPA model),
+convert-nologits (mti.convert(model, drop_outputs=("logits",)): no logits returned, as Liger's
+fused linear cross entropy in training) and convert+compile
+(torch.compile(mti.convert(model))). A variant that raises (OOM, a refusal, a
 compile error) is recorded with "error" and the sweep goes on.
 
 Per model and sequence length, every variant is built from the same seed and trained on the
@@ -74,9 +76,9 @@ from benchmarks.common import (
 )
 
 MODELS = ["llama", "llama-lora", "gpt2", "bert"]
-VARIANTS = ["eager", "sdpa", "compile", "liger", "convert", "convert+compile"]
+VARIANTS = ["eager", "sdpa", "compile", "liger", "convert", "convert-nologits", "convert+compile"]
 REFERENCE = "sdpa"
-OURS = ("convert", "convert+compile")
+OURS = ("convert", "convert-nologits", "convert+compile")
 SEQS = [2048, 4096, 8192]
 TINY_SEQS = [64]
 LORA_RANK, LORA_ALPHA = 16, 32.0
@@ -276,6 +278,8 @@ class Run:
             self.call = torch.compile(self.model)
         elif variant == "convert":
             self.call = mti.convert(self.model)
+        elif variant == "convert-nologits":
+            self.call = mti.convert(self.model, drop_outputs=("logits",))
         elif variant == "convert+compile":
             self.call = torch.compile(mti.convert(self.model))
         self.trainable = [(k, p) for k, p in self.model.named_parameters() if p.requires_grad]

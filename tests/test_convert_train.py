@@ -13,7 +13,12 @@ from helpers import assert_accurate, randn
 from torch import nn
 
 import make_torch_inplace as mti
-from make_torch_inplace.convert import linear_of_gelu, linear_of_silu_mul, silu_mul
+from make_torch_inplace.convert import (
+    linear_cross_entropy,
+    linear_of_gelu,
+    linear_of_silu_mul,
+    silu_mul,
+)
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -31,14 +36,14 @@ def _step(model, inputs, loss_of, kwargs):
     return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]
 
 
-def check_training(model, inputs, loss_of, **kwargs):
+def check_training(model, inputs, loss_of, convert_kwargs=None, **kwargs):
     """One training step through convert(model): its loss and gradients against an fp64 copy
     of the model, run first, with the unconverted model's as the yardstick. Returns the
     converted module."""
     as64 = [x.double() if x.is_floating_point() else x for x in inputs]
     loss64, grads64 = _step(copy.deepcopy(model).double(), as64, loss_of, kwargs)
     loss_t, grads_t = _step(copy.deepcopy(model), inputs, loss_of, kwargs)
-    converted = mti.convert(model)
+    converted = mti.convert(model, **(convert_kwargs or {}))
     loss, grads = _step(converted, inputs, loss_of, kwargs)
     assert_accurate(loss, loss_t, loss64, "loss")
     assert len(grads) == len(grads64)
@@ -161,12 +166,67 @@ class LossOnly(nn.Module):
         return self.lm(ids, labels=ids).loss
 
 
-def test_loss_over_dead_16bit_logits_needs_no_copy():
+def test_loss_of_dead_logits_never_holds_them():
+    """A model returning the loss alone: its logits are dead, and the LM head and the loss run
+    as one linear_cross_entropy."""
     model = LossOnly()
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
     converted = check_training(model, (ids,), lambda loss: loss)
-    (site,) = [s for s in converted.sites if s.op == "cross_entropy_"]
-    assert site.pattern == "float -> view -> cross_entropy" and site.dtype == torch.bfloat16
+    (site,) = [s for s in converted.sites if "cross_entropy" in s.op]
+    assert site.op == "linear_cross_entropy"
+    assert site.pattern == "linear -> float -> view -> cross_entropy"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_lm_without_its_logits(dtype):
+    """drop_outputs=("logits",): the result returns no logits, and the loss runs as
+    linear_cross_entropy, which never holds them whole (pieces of rows: a tiny workspace)."""
+    model = _llama(dtype)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    ids[0, :3] = -100  # ignored targets count in no mean
+    with mti.workspace_limit(128 * 5 * 4):  # five rows of logits a piece
+        converted = check_training(
+            model,
+            (ids.clamp(min=0),),
+            lambda out: out.loss,
+            {"drop_outputs": ("logits",)},
+            labels=ids,
+        )
+        assert converted(ids.clamp(min=0), labels=ids).logits is None
+    assert "linear_cross_entropy" in ops_of(converted)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy(dtype, reduction):
+    h = randn((3, 7, D), dtype, "cpu", seed=1).requires_grad_()
+    w = randn((50, D), dtype, "cpu", seed=2).requires_grad_()
+    target = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(4))
+    target[1, 2:5] = -100
+
+    def reference(h, w):
+        logits = F.linear(h, w).float().view(-1, 50)
+        return F.cross_entropy(logits, target.view(-1), reduction=reduction, label_smoothing=0.1)
+
+    h64, w64 = (t.detach().double().requires_grad_() for t in (h, w))
+    loss64 = reference(h64, w64)
+    grads64 = torch.autograd.grad(loss64, (h64, w64))
+    loss_t = reference(h, w)
+    grads_t = torch.autograd.grad(loss_t, (h, w))
+    with mti.workspace_limit(50 * 4 * h.element_size()):  # four rows a piece
+        loss = linear_cross_entropy(h, w, target, -100, reduction, 0.1)
+    grads = torch.autograd.grad(loss, (h, w))
+    assert_accurate(loss.detach(), loss_t.detach(), loss64.detach(), "loss")
+    for i, (g, t, r) in enumerate(zip(grads, grads_t, grads64)):
+        assert_accurate(g, t, r, f"grad #{i}")
+
+
+def test_drop_outputs_needs_a_mapping():
+    with pytest.raises(TypeError, match="sequence of names"):
+        mti.convert(make_block(FrozenSquare, "cpu"), drop_outputs="logits")
+    converted = mti.convert(make_block(FrozenSquare, "cpu"), drop_outputs=("logits",))
+    with pytest.raises(TypeError, match="mapping"):
+        converted(randn((2, D), torch.float32, "cpu", seed=1))
 
 
 def _saved_bytes(model, ids, loss_of) -> int:
