@@ -33,23 +33,18 @@ normalized_shape`` is not an ``int``; so that no torch version can serve a call 
 normalizes a sharded dim from an acceptance cached for another shape, each op's key is set to
 every non-tensor argument.
 
-``softmax_``, ``log_softmax_``, ``square_matmul_`` and ``linear_`` of the package take
-DTensors as they are, autograd included. The norms and cross_entropy_ allocate row-sized
-buffers (rstd, losses) as plain tensors, which DTensor refuses to mix with DTensors (an
-error raised before anything is written); use
-``layer_norm_``, ``rms_norm_`` and ``cross_entropy_`` of this module, which allocate them as
-DTensors of the local sizes (and forward plain tensors to the package's ops). Their weight and
-bias gradients of row-sharded inputs are Partial (per-rank column sums), as DTensor's own
-norms give them.
+Every op of the package takes DTensors as they are, autograd included: the norms and
+cross_entropy_ allocate their row-sized buffers (rstd, losses) and the backward's gradients
+through ops._BUFFERS, where this module registers DTensor's (_DTensorBuffers): DTensors of the
+local sizes. Weight and bias gradients of row-sharded inputs are Partial (per-rank column
+sums), as DTensor's own norms give them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor.experimental import register_sharding
@@ -57,8 +52,6 @@ from torch.distributed.tensor.experimental import register_sharding
 from . import ops
 
 _ops = torch.ops.make_torch_inplace
-
-__all__ = ["cross_entropy_", "layer_norm_", "rms_norm_"]
 
 
 # --------------------------------------------------------------------------- rule helpers
@@ -268,7 +261,7 @@ def _cross_entropy_rule(logits, target, ignore_index, reduction, label_smoothing
     return _as_given(op, logits, target, ignore_index, reduction, label_smoothing, losses)
 
 
-# --------------------------------------------------------------------------- entry points
+# --------------------------------------------------------------------------- buffers
 
 
 def _local_buffer(x: DTensor, rows: tuple[int, int], dtype, placement_if_sharded) -> DTensor:
@@ -281,156 +274,63 @@ def _local_buffer(x: DTensor, rows: tuple[int, int], dtype, placement_if_sharded
     )
 
 
-def _rows(x: DTensor, normalized_shape: Sequence[int]) -> tuple[int, int]:
-    """x's rows: (local, global)."""
-    n = math.prod(normalized_shape)
-    return (x.to_local().numel() // n, x.numel() // n) if n else (0, 0)
-
-
-def _norm(x, shape, weight, bias, eps, rms, rstd) -> None:
-    if rms:
-        _ops.rms_norm_(x, shape, weight, eps, rstd)
-    else:
-        _ops.layer_norm_(x, shape, weight, bias, eps, rstd)
-
-
-def layer_norm_(
-    x: torch.Tensor,
-    normalized_shape: int | Sequence[int],
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-5,
-) -> torch.Tensor:
-    """make_torch_inplace.layer_norm_ for a DTensor x (other tensors: that op)."""
-    if not isinstance(x, DTensor):
-        return ops.layer_norm_(x, normalized_shape, weight, bias, eps)
-    return _dtensor_norm("layer_norm_", x, normalized_shape, weight, bias, float(eps), False)
-
-
-def rms_norm_(
-    x: torch.Tensor,
-    normalized_shape: int | Sequence[int],
-    weight: torch.Tensor | None = None,
-    eps: float | None = None,
-) -> torch.Tensor:
-    """make_torch_inplace.rms_norm_ for a DTensor x (other tensors: that op)."""
-    if not isinstance(x, DTensor):
-        return ops.rms_norm_(x, normalized_shape, weight, eps)
-    if eps is None:
-        eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
-    return _dtensor_norm("rms_norm_", x, normalized_shape, weight, None, float(eps), True)
-
-
-def _dtensor_norm(op, x, normalized_shape, weight, bias, eps, rms):
-    shape = ops._normalized_shape(normalized_shape)
-    if ops._needs_autograd(x, weight, bias):
-        ops._check_overwritable(op, x)
-        return _DTensorNorm.apply(x, shape, weight, bias, eps, rms)
-    rstd = _local_buffer(x, (0, 0), torch.float32, Replicate())
-    _norm(x, shape, weight, bias, eps, rms, rstd)
-    return x
-
-
-class _DTensorNorm(torch.autograd.Function):
-    """ops._Norm with DTensor buffers: rstd sharded like x's rows, Partial parameter
-    gradients where the rows are sharded."""
+class _DTensorBuffers:
+    """ops._PlainBuffers for DTensor: the buffers as DTensors of the local sizes, so that the
+    package's norms and cross_entropy_ take DTensors as they are (autograd included). rstd is
+    sharded like x's rows; the parameters' gradients of row-sharded inputs are Partial
+    (per-rank column sums), as DTensor's own norms give them."""
 
     @staticmethod
-    def forward(ctx, x, shape, weight, bias, eps, rms):
-        rstd = _local_buffer(x, _rows(x, shape), ops._rstd_dtype(x.to_local()), Shard(0))
-        _norm(x, shape, weight, bias, eps, rms, rstd)
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(x, weight, bias, rstd)
-        ctx.shape, ctx.rms = shape, rms
-        return x
+    def not_wanted(like):
+        return _local_buffer(like, (0, 0), like.dtype, Replicate())
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        y, weight, bias, rstd = ctx.saved_tensors
+    def no_rstd(x):
+        return _local_buffer(x, (0, 0), torch.float32, Replicate())
+
+    @staticmethod
+    def rstd(x, normalized_shape, dtype):
+        n = math.prod(normalized_shape)
+        rows = (x.to_local().numel() // n, x.numel() // n) if n else (0, 0)
+        return _local_buffer(x, rows, dtype, Shard(0))
+
+    @staticmethod
+    def param_grad(y, param):
+        local = torch.empty_like(param.to_local(), memory_format=torch.contiguous_format)
+        placements = _per_mesh_dim(y, Partial())
+        return DTensor.from_local(local, y.device_mesh, placements, run_check=False)
+
+    @staticmethod
+    def grad_for(y, grad):
         # The one collective of this module: an output gradient placed unlike y (e.g. Partial
         # from a row-parallel consumer) is brought to y's placements; it is read, not written.
         if tuple(grad.placements) != tuple(y.placements):
             grad = grad.redistribute(y.device_mesh, y.placements)
-        want_x = ctx.needs_input_grad[0]
-        want_w = weight is not None and ctx.needs_input_grad[2]
-        want_b = bias is not None and ctx.needs_input_grad[3]
-        not_wanted = _local_buffer(y, (0, 0), y.dtype, Replicate())
-        grad_x = torch.empty_like(y) if want_x else not_wanted
-        grad_w = _param_grad(y, weight) if want_w else not_wanted
-        grad_b = _param_grad(y, bias) if want_b else not_wanted
-        _ops.norm_backward(y, grad, ctx.shape, weight, bias, rstd, ctx.rms, grad_x, grad_w, grad_b)
-        return (
-            grad_x if want_x else None,
-            None,
-            grad_w if want_w else None,
-            grad_b if want_b else None,
-            None,
-            None,
-        )
-
-
-def _param_grad(y: DTensor, param: DTensor) -> DTensor:
-    local = torch.empty_like(param.to_local(), memory_format=torch.contiguous_format)
-    placements = _per_mesh_dim(y, Partial())
-    return DTensor.from_local(local, y.device_mesh, placements, run_check=False)
-
-
-def cross_entropy_(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-) -> torch.Tensor:
-    """make_torch_inplace.cross_entropy_ for DTensor logits and target, sharded alike on rows
-    or Replicate (other tensors: that op). The loss: the per-row losses sharded like target
-    for "none"; for "sum", a scalar, Partial where the rows are sharded."""
-    if not isinstance(logits, DTensor):
-        return ops.cross_entropy_(logits, target, ignore_index, reduction, label_smoothing)
-    if reduction not in ops._REDUCTIONS:
-        raise ValueError(f"{reduction} is not a valid value for reduction")
-    args = (int(ignore_index), ops._REDUCTIONS[reduction], float(label_smoothing))
-    if ops._needs_autograd(logits):
-        ops._check_overwritable("cross_entropy_", logits)
-        loss, _ = _DTensorCrossEntropy.apply(logits, target, *args)
-        return loss
-    return _dtensor_cross_entropy(logits, target, *args)
-
-
-def _dtensor_cross_entropy(logits, target, ignore_index, code, smoothing):
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    if not isinstance(target, DTensor):
-        _refuse("cross_entropy_", "target must be a DTensor placed like logits' rows")
-    local = torch.empty(target.to_local().shape, dtype=dtype, device=target.to_local().device)
-    losses = DTensor.from_local(
-        local,
-        target.device_mesh,
-        target.placements,
-        run_check=False,
-        shape=target.shape,
-        stride=target.stride(),
-    )
-    _ops.cross_entropy_(logits, target, ignore_index, code, smoothing, losses)
-    if code == ops._REDUCTIONS["none"]:
-        return losses
-    if code == ops._REDUCTIONS["mean"] and local.numel() == 0:
-        total = torch.full((), float("nan"), dtype=dtype, device=local.device)
-    else:
-        total = local.sum()
-    placements = _per_mesh_dim(losses, Partial())
-    return DTensor.from_local(total, losses.device_mesh, placements, run_check=False)
-
-
-class _DTensorCrossEntropy(ops._CrossEntropy):
-    """ops._CrossEntropy with DTensor losses; its backward (an in-place scaling) is shared."""
+        return grad
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, code, smoothing):
-        loss = _dtensor_cross_entropy(logits, target, ignore_index, code, smoothing)
-        ctx.mark_dirty(logits)
-        ctx.mark_non_differentiable(logits)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits)
-        ctx.per_row, ctx.consumed = code == ops._REDUCTIONS["none"], False
-        return loss, logits
+    def losses(target, dtype):
+        if not isinstance(target, DTensor):
+            _refuse("cross_entropy_", "target must be a DTensor placed like logits' rows")
+        local = torch.empty(target.to_local().shape, dtype=dtype, device=target.to_local().device)
+        return DTensor.from_local(
+            local,
+            target.device_mesh,
+            target.placements,
+            run_check=False,
+            shape=target.shape,
+            stride=target.stride(),
+        )
+
+    @staticmethod
+    def total(losses, mean: bool):
+        local = losses.to_local()
+        if mean and local.numel() == 0:
+            total = torch.full((), float("nan"), dtype=local.dtype, device=local.device)
+        else:
+            total = local.sum()
+        placements = _per_mesh_dim(losses, Partial())
+        return DTensor.from_local(total, losses.device_mesh, placements, run_check=False)
+
+
+ops._BUFFERS[DTensor] = _DTensorBuffers

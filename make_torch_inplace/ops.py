@@ -11,6 +11,7 @@ work from the saved *output*, since the input is gone.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -81,7 +82,52 @@ def _normalized_shape(normalized_shape: int | Sequence[int]) -> list[int]:
 
 def _not_wanted(like: torch.Tensor) -> torch.Tensor:
     """An empty out argument: tells a backward op not to compute that gradient."""
-    return torch.empty(0, dtype=like.dtype, device=like.device)
+    return _buffers(like).not_wanted(like)
+
+
+class _PlainBuffers:
+    """The tensors an op writes besides x, for plain tensors: a norm's rstd, cross entropy's
+    per-row losses and their sum, a backward's gradients. A tensor subclass whose ops need
+    these as its own kind registers its maker in _BUFFERS (make_torch_inplace.distributed:
+    DTensor)."""
+
+    @staticmethod
+    def not_wanted(like):
+        return torch.empty(0, dtype=like.dtype, device=like.device)
+
+    @staticmethod
+    def no_rstd(x):
+        return torch.empty(0, dtype=torch.float32, device=x.device)
+
+    @staticmethod
+    def rstd(x, normalized_shape, dtype):
+        n = math.prod(normalized_shape)
+        return torch.empty(x.numel() // n if n else 0, dtype=dtype, device=x.device)
+
+    @staticmethod
+    def param_grad(y, param):
+        return torch.empty_like(param, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def grad_for(y, grad):
+        return grad
+
+    @staticmethod
+    def losses(target, dtype):
+        return torch.empty(target.shape, dtype=dtype, device=target.device)
+
+    @staticmethod
+    def total(losses, mean: bool):
+        if mean and losses.numel() == 0:
+            return torch.full((), float("nan"), dtype=losses.dtype, device=losses.device)
+        return losses.sum()
+
+
+_BUFFERS: dict[type, type] = {}  # tensor subclass -> its buffers' maker
+
+
+def _buffers(x: torch.Tensor):
+    return _BUFFERS.get(type(x), _PlainBuffers)
 
 
 # --------------------------------------------------------------------------- square matmul
@@ -296,7 +342,7 @@ def rms_norm_(
 
 def _no_rstd(x: torch.Tensor) -> torch.Tensor:
     # An empty rstd tells the kernel not to save row statistics (inference needs none).
-    return torch.empty(0, dtype=torch.float32, device=x.device)
+    return _buffers(x).no_rstd(x)
 
 
 def _rstd_dtype(x: torch.Tensor) -> torch.dtype:
@@ -308,11 +354,7 @@ def _rstd_dtype(x: torch.Tensor) -> torch.dtype:
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shape, weight, bias, eps, rms):
-        n = 1
-        for s in shape:
-            n *= s
-        rows = x.numel() // n if n else 0
-        rstd = torch.empty(rows, dtype=_rstd_dtype(x), device=x.device)
+        rstd = _buffers(x).rstd(x, shape, _rstd_dtype(x))
         if rms:
             _ops.rms_norm_(x, shape, weight, eps, rstd)
         else:
@@ -331,17 +373,11 @@ class _Norm(torch.autograd.Function):
         want_b = bias is not None and ctx.needs_input_grad[3]
         # Fresh tensors, as PyTorch's backward allocates: grad may be shared with other
         # consumers and y saved by other ops.
+        buffers = _buffers(y)
+        grad = buffers.grad_for(y, grad)
         grad_x = torch.empty_like(y) if want_x else _not_wanted(y)
-        grad_w = (
-            torch.empty_like(weight, memory_format=torch.contiguous_format)
-            if want_w
-            else _not_wanted(y)
-        )
-        grad_b = (
-            torch.empty_like(bias, memory_format=torch.contiguous_format)
-            if want_b
-            else _not_wanted(y)
-        )
+        grad_w = buffers.param_grad(y, weight) if want_w else _not_wanted(y)
+        grad_b = buffers.param_grad(y, bias) if want_b else _not_wanted(y)
         _ops.norm_backward(y, grad, ctx.shape, weight, bias, rstd, ctx.rms, grad_x, grad_w, grad_b)
         return (
             grad_x if want_x else None,
@@ -391,13 +427,12 @@ def cross_entropy_(
 def _cross_entropy(logits, target, ignore_index, code, smoothing):
     # Mean mode scales each row by 1 / (valid rows), so the loss is always the losses' sum.
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    losses = torch.empty(target.shape, dtype=dtype, device=logits.device)
+    buffers = _buffers(logits)
+    losses = buffers.losses(target, dtype)
     _ops.cross_entropy_(logits, target, ignore_index, code, smoothing, losses)
     if code == _REDUCTIONS["none"]:
         return losses
-    if code == _REDUCTIONS["mean"] and losses.numel() == 0:
-        return torch.full((), float("nan"), dtype=dtype, device=logits.device)
-    return losses.sum()
+    return buffers.total(losses, code == _REDUCTIONS["mean"])
 
 
 class _CrossEntropy(torch.autograd.Function):

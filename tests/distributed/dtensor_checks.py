@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.debug import CommDebugMode
 
 import make_torch_inplace as mti
-import make_torch_inplace.distributed as mtid
+import make_torch_inplace.distributed  # registers the DTensor rules and buffers
 
 F32 = torch.float32
 F64 = torch.float64
@@ -140,15 +140,15 @@ def norm_values(ctx):
     wd, bd = dt(ctx, w, [Replicate()]), dt(ctx, b, [Replicate()])
     for placements in ROWS_3D:
         truth, torch_out = references(ref_layer_norm, x, (16,), w, b)
-        out = run_in_place(mtid.layer_norm_, dt(ctx, x, placements), (16,), wd, bd)
+        out = run_in_place(mti.layer_norm_, dt(ctx, x, placements), (16,), wd, bd)
         assert_accurate(out, torch_out, truth, f"layer_norm_ {placements}")
         truth, torch_out = references(ref_rms_norm, x, (16,), w, 1e-6)
-        out = run_in_place(mtid.rms_norm_, dt(ctx, x, placements), (16,), wd, 1e-6)
+        out = run_in_place(mti.rms_norm_, dt(ctx, x, placements), (16,), wd, 1e-6)
         assert_accurate(out, torch_out, truth, f"rms_norm_ {placements}")
     # Two normalized dims, rows sharded on the batch dim.
     w2 = randn((6, 16), F32, "cpu", 23)
     truth, torch_out = references(ref_rms_norm, x, (6, 16), w2)
-    out = run_in_place(mtid.rms_norm_, dt(ctx, x, [Shard(0)]), (6, 16), dt(ctx, w2, [Replicate()]))
+    out = run_in_place(mti.rms_norm_, dt(ctx, x, [Shard(0)]), (6, 16), dt(ctx, w2, [Replicate()]))
     assert_accurate(out, torch_out, truth, "rms_norm_ (6, 16)")
 
 
@@ -172,7 +172,7 @@ def cross_entropy_values(ctx):
         ld, td = dt(ctx, logits, placements), dt(ctx, target, placements)
         local = ld.to_local()
         with CommDebugMode() as comm:
-            loss = mtid.cross_entropy_(ld, td, reduction=reduction)
+            loss = mti.cross_entropy_(ld, td, reduction=reduction)
         assert comm.get_total_counts() == 0, comm.get_comm_counts()
         assert ld.placements == tuple(placements) and ld.to_local().data_ptr() == local.data_ptr()
         expected = [Partial()] if reduction == "sum" and placements[0].is_shard() else placements
@@ -196,7 +196,7 @@ def row_ops_drawn_shapes(ctx):
         shard = [Shard(seed % len(lead))]
         cases = (
             (mti.softmax_, ref_softmax, (), {}),
-            (mtid.rms_norm_, ref_rms_norm, ((width,),), {}),
+            (mti.rms_norm_, ref_rms_norm, ((width,),), {}),
         )
         for op, ref, args, kwargs in cases:
             if lead[shard[0].dim] < 2:
@@ -234,14 +234,14 @@ def refusals(ctx):
     refused(ctx, mti.softmax_, dt(ctx, x, [Shard(0)]), mask=dt(ctx, mask, [Shard(0)]), match="mask")
     n = randn((16,), F32, "cpu", 42)
     nd = dt(ctx, n, [Replicate()])
-    for norm in (mtid.layer_norm_, mtid.rms_norm_):
+    for norm in (mti.layer_norm_, mti.rms_norm_):
         refused(ctx, norm, dt(ctx, x, last), (16,), nd, match="normalized dims")
         refused(ctx, norm, dt(ctx, x, [Shard(1)]), (6, 16), match="normalized dims")
         refused(ctx, norm, partial, (16,), nd, match="Partial")
         refused(ctx, norm, dt(ctx, x, [Shard(0)]), (16,), dt(ctx, n, [Shard(0)]), match="weight")
     target = torch.zeros(4, 6, dtype=torch.long)
     td = dt(ctx, target, [Shard(0)])
-    ce = mtid.cross_entropy_
+    ce = mti.cross_entropy_
     refused(ctx, ce, dt(ctx, x, last), dt(ctx, target, [Replicate()]), match="class dim")
     refused(ctx, ce, dt(ctx, x, [Shard(0)]), td, match='"mean"')
     refused(
@@ -259,8 +259,8 @@ def refusal_not_hidden_by_cache(ctx):
     """An accepted call must not make a later call with other normalized dims pass: the
     sharding cache keys on every non-tensor argument."""
     x = randn((4, 6, 16), F32, "cpu", 50)
-    mtid.rms_norm_(dt(ctx, x, [Shard(1)]), (16,))
-    refused(ctx, mtid.rms_norm_, dt(ctx, x, [Shard(1)]), (6, 16), match="normalized dims")
+    mti.rms_norm_(dt(ctx, x, [Shard(1)]), (16,))
+    refused(ctx, mti.rms_norm_, dt(ctx, x, [Shard(1)]), (6, 16), match="normalized dims")
     mti.softmax_(dt(ctx, x, [Shard(1)]), dim=2)
     refused(ctx, mti.softmax_, dt(ctx, x, [Shard(1)]), dim=1, match="softmax dim")
 
@@ -292,13 +292,13 @@ def autograd(ctx):
         ("log_softmax_", mti.log_softmax_, lambda t: F.log_softmax(t, -1), []),
         (
             "rms_norm_",
-            lambda t, w: mtid.rms_norm_(t, (16,), w),
+            lambda t, w: mti.rms_norm_(t, (16,), w),
             lambda t, w: F.rms_norm(t, (16,), w),
             [w],
         ),
         (
             "layer_norm_",
-            lambda t, w, b: mtid.layer_norm_(t, (16,), w, b),
+            lambda t, w, b: mti.layer_norm_(t, (16,), w, b),
             lambda t, w, b: F.layer_norm(t, (16,), w, b),
             [w, b],
         ),
@@ -331,7 +331,7 @@ def cross_entropy_autograd(ctx):
     )
     torch_grad = _grads(lambda z: F.cross_entropy(z, target, reduction="sum") * 0.25, logits, [], 1)
     ld = dt(ctx, logits, [Shard(0)]).requires_grad_()
-    loss = mtid.cross_entropy_(ld * 1, dt(ctx, target, [Shard(0)]), reduction="sum")
+    loss = mti.cross_entropy_(ld * 1, dt(ctx, target, [Shard(0)]), reduction="sum")
     (loss.full_tensor() * 0.25).backward()
     assert ld.grad.placements == (Shard(0),), ld.grad.placements
     assert_accurate(_full(ld.grad), torch_grad[0], truth[0], "cross_entropy_ grad")
