@@ -1,6 +1,7 @@
-"""The ops on DTensors over a 2-rank mesh: gloo on the CPU always, NCCL on two GPUs when
-present. One spawn per backend runs every check of dtensor_checks.py and tp_block.py on both
-ranks; a failure lists each failed check with its traceback."""
+"""The ops on DTensors, and FSDP2 training a converted model, over a 2-rank mesh: gloo on the
+CPU always, NCCL on two GPUs when present. One spawn per backend runs every check of
+dtensor_checks.py, tp_block.py and fsdp_checks.py on both ranks; a failure lists each failed
+check with its traceback."""
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ BACKENDS = [
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_dtensor(backend):
-    results = run_checks(["dtensor_checks", "tp_block"], backend)
+def test_distributed(backend):
+    results = run_checks(["dtensor_checks", "tp_block", "fsdp_checks"], backend)
     failed = {name: err for name, err in results.items() if err is not None}
     assert not failed, "\n\n".join(f"{name} failed on {err}" for name, err in failed.items())
