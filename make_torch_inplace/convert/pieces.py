@@ -8,7 +8,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from .. import ops
 
@@ -261,7 +260,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
         # In place: one backward per forward (retain_graph cannot reuse it), as cross_entropy_.
