@@ -76,7 +76,9 @@ class ConvertedModule(nn.Module):
         # _CAPTURE_CONFIG, not dynamic=True, which would patch Dynamo's config around every
         # call (see forward).
         self._call = _without(module, tuple(drop_outputs)) if drop_outputs else module
-        self._compiled_call = torch.compile(self._call.__call__, backend=self._backend)
+        self._compiled_call = torch.compile(
+            module.__call__ if self._call is module else self._call, backend=self._backend
+        )
         # The model as its own methods see it when called through this module (see
         # __getattr__); set past nn.Module.__setattr__, which would register it as a submodule.
         object.__setattr__(self, "_model_calling_converted", _calling(module, self))
@@ -244,22 +246,22 @@ class _SizeClasses:
         return forward
 
 
-class _without:
+def _without(module: nn.Module, names: tuple[str, ...]) -> Callable:
     """module's calls, with the outputs `names` of its result (a mapping: a transformers
     ModelOutput, a dict) set to None: the graph then does not return them, so they are dead
-    where the rewriter looks (a causal LM's logits, where only the loss is wanted)."""
+    where the rewriter looks (a causal LM's logits, where only the loss is wanted). A closure,
+    not an object holding the module: the report's module paths stay the model's own."""
 
-    def __init__(self, module: nn.Module, names: tuple[str, ...]) -> None:
-        self.module, self.names = module, names
-
-    def __call__(self, *args, **kwargs):
-        out = self.module(*args, **kwargs)
+    def call(*args, **kwargs):
+        out = module(*args, **kwargs)
         if not isinstance(out, dict):
             raise TypeError(
                 f"convert: drop_outputs needs a model returning a mapping (a transformers "
                 f"ModelOutput, a dict), got {type(out).__name__}"
             )
-        return type(out)(**{k: (None if k in self.names else v) for k, v in out.items()})
+        return type(out)(**{k: (None if k in names else v) for k, v in out.items()})
+
+    return call
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
