@@ -319,13 +319,14 @@ def _rank_main(rank: int, backend: str, args, rendezvous: str) -> None:
     else:
         torch.set_num_threads(1)  # the tiny model's matmuls are too small to share
     # A rank stuck in a collective its peer never joins (a failure inside a step, on one
-    # rank only) times out rather than hangs.
+    # rank only) times out rather than hangs; the limit is well above a peer's longest wait
+    # for the other (a convert capture on a loaded CPU).
     dist.init_process_group(
         backend,
         init_method=f"file://{rendezvous}",
         rank=rank,
         world_size=WORLD,
-        timeout=timedelta(seconds=300 if cuda else 60),
+        timeout=timedelta(seconds=300 if cuda else 180),
     )
     try:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
