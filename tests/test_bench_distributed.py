@@ -52,13 +52,18 @@ def test_variant_trains(records, variant):
     assert r["unconverted_steps"] == 0
     # Random weights over a vocabulary of 256: the loss starts near log(256) = 5.5.
     assert 3.0 < r["loss"] < 8.0
-    if r["dtype"] == "float32":
+    if r["dtype"] == "float32":  # gloo on the CPU
         assert r["peak_extra_bytes"] is None  # measured on CUDA only
+    else:  # NCCL on two GPUs, bf16
+        assert r["peak_extra_bytes"] > 0
 
 
 @pytest.mark.parametrize("variant", ["convert", "convert-nologits"])
 def test_converted_loss_matches_sdpa(records, variant):
-    # Same weights, same batch per rank, fp32: convert computes the same function.
+    # Same weights, same batch per rank: convert computes the same function, which fp32
+    # shows tightly; with two GPUs the run is bf16, whose rounding differs between the two.
+    if records["sdpa"]["dtype"] != "float32":
+        pytest.skip("bf16 on two GPUs: the losses agree only to bf16 rounding")
     assert records[variant]["loss"] == pytest.approx(records["sdpa"]["loss"], rel=1e-5)
 
 
