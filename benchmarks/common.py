@@ -2,8 +2,8 @@
 
 Every benchmark records the same environment fields (env_info), times with the same median
 (time_ms), measures memory the same way (peak_extra_bytes) and writes its results to
-benchmarks/results/<gpu>/<name>.json and .md (<gpu>: h100, h200, ..., or cpu), or to
-$MTI_RESULTS_DIR when set.
+benchmarks/results/<gpu>/<name>.json and .md (<gpu>: h100, h200, ..., or cpu; h200x2 for a
+benchmark of two H200s), or to $MTI_RESULTS_DIR when set.
 """
 
 from __future__ import annotations
@@ -361,18 +361,21 @@ def device_slug(device: str | None = None) -> str:
     return (words[0] if words else name.split()[-1]).lower()
 
 
-def results_dir() -> Path:
-    """benchmarks/results/<device_slug()>, or $MTI_RESULTS_DIR when set; created on first use."""
-    default = REPO_ROOT / "benchmarks" / "results" / device_slug()
+def results_dir(suffix: str = "") -> Path:
+    """benchmarks/results/<device_slug()><suffix>, or $MTI_RESULTS_DIR when set; created on
+    first use. suffix names a machine of several GPUs: "x2" for a benchmark run on two."""
+    default = REPO_ROOT / "benchmarks" / "results" / (device_slug() + suffix)
     path = Path(os.environ.get("MTI_RESULTS_DIR", default))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def write_results(name: str, records: list[dict], table_md: str) -> tuple[Path, Path]:
+def write_results(
+    name: str, records: list[dict], table_md: str, suffix: str = ""
+) -> tuple[Path, Path]:
     """Writes <results>/<name>.json (the records of one sweep) and <results>/<name>.md (its
-    tables), replacing an earlier sweep's."""
-    out = results_dir()
+    tables), replacing an earlier sweep's; <results> is results_dir(suffix)."""
+    out = results_dir(suffix)
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"
     json_path.write_text(json.dumps(records, indent=1) + "\n")
     env = records[0] if records else env_info()

@@ -140,6 +140,13 @@ else
   bench bench_cross_entropy quick
   bench bench_e2e quick
   bench bench_train quick
+  # FSDP2 over NCCL needs two GPUs; its results go to benchmarks/results/<gpu>x2/.
+  GPU_COUNT="$(python -c 'import torch; print(torch.cuda.device_count())')"
+  if [[ "$GPU_COUNT" -ge 2 ]]; then
+    bench bench_distributed quick
+  else
+    note bench_distributed "skipped (needs 2 GPUs, $GPU_COUNT here)"
+  fi
 fi
 
 # ---------------------------------------------------------------- summary
