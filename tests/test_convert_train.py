@@ -341,6 +341,27 @@ def test_autograd_still_refuses_writing_over_a_saved_tensor():
             m(x).sum().backward()
 
 
+class SavesItsOutput(nn.Module):
+    """tanh (not in place: its input is read later) saves its own output, which nothing else
+    saves or reads after the product by 2: writing the product over it (mul_) would break
+    tanh's backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.tanh(h) * 2.0 + h
+
+
+def test_an_output_its_op_saves_is_not_written_over():
+    model = make_block(SavesItsOutput, "cpu").train()
+    x = randn((3, D), torch.float32, "cpu", seed=1)
+    converted = check_training(model, (x,), _masked_sum)
+    assert "mul_" not in ops_of(converted)
+
+
 def test_gradient_of_a_value_saved_by_a_later_op_is_right():
     """h = tanh(a) is read by exp_-able ops and saved by h * w (w requires grad): no later op
     may write over h, though nothing reads it in the forward after the product."""

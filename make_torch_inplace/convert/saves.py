@@ -45,13 +45,13 @@ def saved_values(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]] | None:
     if mode is None:
         return None
     owner: dict[Hashable, fx.Node] = {}  # storage -> the first node whose value holds it
-    saved: dict[fx.Node, set[fx.Node]] = {}
+    packed: list[tuple[fx.Node, Hashable]] = []  # (the node saving, the storage it saves)
     running: list[fx.Node] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        node = owner.get(_compat.storage_key(t))
-        if node is not None:
-            saved.setdefault(running[-1], set()).add(node)
+        # Matched to nodes after the run: an op may save its own output (tanh, softmax),
+        # whose node is known only once the op returns.
+        packed.append((running[-1], _compat.storage_key(t)))
         return t
 
     class Run(fx.Interpreter):
@@ -73,6 +73,10 @@ def saved_values(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]] | None:
             run.run(*[None] * sum(n.op == "placeholder" for n in gm.graph.nodes))
     except Exception:  # any op that cannot run on fake tensors
         return None
+    saved: dict[fx.Node, set[fx.Node]] = {}
+    for node, key in packed:
+        if key in owner:  # else a tensor of the op's own (a norm's statistics)
+            saved.setdefault(node, set()).add(owner[key])
     return saved
 
 
