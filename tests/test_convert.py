@@ -633,3 +633,20 @@ def test_forwards_the_models_attributes():
     assert converted.describe() == "block: TaggedBlock"
     with pytest.raises(AttributeError, match="no_such_attribute"):
         converted.no_such_attribute  # noqa: B018
+
+
+class ItemAssignment(nn.Module):
+    """x[..., 1:] = ... (T5 shifting its labels right): the graph is analysed, the write being
+    a read of the assigned tensor at its place."""
+
+    def forward(self, x):
+        y = x.clone()
+        y[..., 1:] = x[..., :-1]
+        z = torch.softmax(y * 2.0, dim=-1)
+        return z + x
+
+
+def test_item_assignment_leaves_the_graph_analysable():
+    x = randn((2, 8, D), torch.float32, "cpu", seed=1)
+    converted = check_converted(ItemAssignment(), x)
+    assert "softmax_" in ops_of(converted)

@@ -3,6 +3,7 @@ storage, their layouts, and whether an op may write one over another."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable
 
 import torch
@@ -64,8 +65,9 @@ def _storages(node: fx.Node) -> set[Hashable]:
 
 def _unanalyzable_node(graph: fx.Graph) -> fx.Node | None:
     """A node whose aliasing cannot be read from fake values, if the graph has one. An op
-    that returns nothing (it only mutates its arguments, like ours) has no value to analyse,
-    and its mutations are reads of its inputs at its position."""
+    that returns nothing (it only mutates its arguments, like ours, or item assignment
+    x[i] = v) has no value to analyse, and its mutations are reads of its inputs at its
+    position."""
     for node in graph.nodes:
         value = node.meta.get("example_value")
         if any(
@@ -79,6 +81,7 @@ def _unanalyzable_node(graph: fx.Graph) -> fx.Node | None:
             or (
                 node.op.startswith("call_")
                 and not _compat.returns_nothing(node.target)
+                and node.target is not operator.setitem
                 and any(map(_storages, node.all_input_nodes))
             )
         ):
