@@ -532,19 +532,27 @@ def goals(records: list[dict]) -> list[str]:
                 f"{verdict} {model} T={seq} {v}: loss after {r['loss_steps']} steps differs "
                 f"from sdpa's by {diff:.3g} (peers: up to {max(noise, default=float('nan')):.3g})"
             )
-            peaks = [p["peak_extra_bytes"] for p in peers if p["peak_extra_bytes"] is not None]
-            times = [p["step_ms"] for p in peers if p["step_ms"] is not None]
-            if seq < GOAL_MIN_SEQ or r["peak_extra_bytes"] is None or not peaks or not times:
-                continue
-            peak_ratio = r["peak_extra_bytes"] / min(peaks)
-            ms_ratio = r["step_ms"] / min(times) if r["step_ms"] is not None else float("inf")
-            ok = peak_ratio <= PEAK_GOAL and ms_ratio <= STEP_GOAL
-            lines.append(
-                f"{'PASS' if ok else 'FAIL'} {model} T={seq} {v}: peak {peak_ratio:.3f}x the "
-                f"lowest peer's (goal <= {PEAK_GOAL}), step {ms_ratio:.3f}x the fastest "
-                f"peer's (goal <= {STEP_GOAL})"
-            )
+            line = seq >= GOAL_MIN_SEQ and goal_line(f"{model} T={seq} {v}", r, peers, "peak")
+            if line:
+                lines.append(line)
     return lines
+
+
+def goal_line(label: str, r: dict, peers: list[dict], what: str) -> str | None:
+    """PASS or FAIL of the issue's goal for record r: its peak (`what`) <= PEAK_GOAL x the
+    lowest of the peers' and its step time <= STEP_GOAL x the fastest's; None where a figure
+    is missing."""
+    peaks = [p["peak_extra_bytes"] for p in peers if p["peak_extra_bytes"] is not None]
+    times = [p["step_ms"] for p in peers if p["step_ms"] is not None]
+    if r["peak_extra_bytes"] is None or not peaks or not times:
+        return None
+    peak_ratio = r["peak_extra_bytes"] / min(peaks)
+    ms_ratio = r["step_ms"] / min(times) if r["step_ms"] is not None else float("inf")
+    ok = peak_ratio <= PEAK_GOAL and ms_ratio <= STEP_GOAL
+    return (
+        f"{'PASS' if ok else 'FAIL'} {label}: {what} {peak_ratio:.3f}x the lowest peer's "
+        f"(goal <= {PEAK_GOAL}), step {ms_ratio:.3f}x the fastest peer's (goal <= {STEP_GOAL})"
+    )
 
 
 def report(records: list[dict]) -> None:
