@@ -49,18 +49,14 @@ def fuse(graph: fx.Graph) -> None:
 
 
 def _replace(node: fx.Node, fn, args, kwargs, chain: list[fx.Node]) -> None:
-    """fn(*args, **kwargs) in the place of `node`, the last of `chain`'s nodes, which go (each
-    read only by the ones after it)."""
+    """fn(*args, **kwargs) in the place of `node`, the first of `chain`'s nodes, which go in
+    their order (each read only by the ones before it)."""
     with node.graph.inserting_before(node):
         new = node.graph.call_function(fn, args, kwargs)
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
-    for dead in sorted(chain, key=lambda n: -_order(n)):
+    for dead in chain:
         node.graph.erase_node(dead)
-
-
-def _order(node: fx.Node) -> int:
-    return next(i for i, n in enumerate(node.graph.nodes) if n is node)
 
 
 _MUL = (operator.mul, torch.mul, "mul")

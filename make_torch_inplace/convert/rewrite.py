@@ -384,10 +384,7 @@ class _Rewriter:
         keeps = self._training_form(torch.Tensor.masked_fill_, (x, drop_value, fill), {})
         if keeps is None:
             return
-        with self.graph.inserting_before(node):
-            drop = self.graph.call_function(torch.logical_not, (keep,))
-        drop.meta["example_value"] = drop_value
-        self.live.add(drop, pos)
+        drop = self._insert(node, torch.logical_not, (keep,), drop_value)
         new = self._replace(node, torch.Tensor.masked_fill_, (x, drop, fill), {}, x)
         if keeps:
             self._keeps_output(new)
@@ -442,11 +439,7 @@ class _Rewriter:
                 or not _contiguous_dims(tg.shape, tg.stride())
             ):
                 continue
-            new = self._insert(node, silu_mul, (g, u), out)
-            new.meta.update({k: v for k, v in node.meta.items() if k != "example_value"})
-            node.replace_all_uses_with(new)
-            self.graph.erase_node(node)
-            self.graph.erase_node(act)
+            new = self._substitute(node, silu_mul, (g, u), erase=[act])
             self.live.mark_saved(g, new)
             self.live.mark_saved(u, new)
             self._site(silu_mul, ["silu", "mul"], new, act)
@@ -553,13 +546,8 @@ class _Rewriter:
             ]
         if family == "addmm":  # x @ W + b is F.linear(x, W.t(), b)
             weight = self._insert(node, "t", (weight,), w.t())
-        new = self._insert(node, fn, (*inputs, weight, bias), out)
-        new.kwargs = kwargs
-        new.meta.update({k: v for k, v in node.meta.items() if k != "example_value"})
-        node.replace_all_uses_with(new)
-        for dead in (node, view, p):
-            if dead is not None:
-                self.graph.erase_node(dead)
+        erase = [p] if view is None else [view, p]
+        new = self._substitute(node, fn, (*inputs, weight, bias), kwargs, erase)
         for i in inputs:
             self.live.mark_saved(i, new)
         pattern = [act, "view", family] if view is not None else [act, family]
@@ -696,11 +684,7 @@ class _Rewriter:
         if not self.live.dead_after(x, pos, saver=node):
             if not self.training:
                 return
-            with self.graph.inserting_before(node):
-                copy = self.graph.call_function(torch.clone, (x,))
-            copy.meta["example_value"] = torch.empty_like(t)
-            self.live.add(copy, pos)
-            x = copy
+            x = self._insert(node, torch.clone, (x,), torch.empty_like(t))
             pattern.insert(0, "clone")
         if family == "layer_norm":
             fn, args = ops.layer_norm_, (x, a["normalized_shape"], weight, a["bias"], a["eps"])
@@ -752,7 +736,9 @@ class _Rewriter:
                 nbytes -= _tensor(src).untyped_storage().nbytes()
             if erase[0] is not erase[-1]:  # the view, as the float32 copy was viewed
                 view = erase[0]
-                x = self._insert(node, view.target, (over, *view.args[1:]), _view_of(over, t))
+                x = self._insert(
+                    node, view.target, (over, *view.args[1:]), _tensor(over).view(t.shape)
+                )
             else:
                 x = over
             pattern = [_name(n) for n in reversed(erase)] + pattern
@@ -763,13 +749,7 @@ class _Rewriter:
         else:
             return
         args = (x, target, a["ignore_index"], a["reduction"], a["label_smoothing"])
-        with self.graph.inserting_before(node):
-            new = self.graph.call_function(ops.cross_entropy_, args)
-        new.meta.update(node.meta)  # the loss: a new tensor, as the original op's
-        self.live.add(new, pos)
-        node.replace_all_uses_with(new)
-        for dead in [node, *erase]:
-            self.graph.erase_node(dead)
+        new = self._substitute(node, ops.cross_entropy_, args, erase=erase)
         site = self._site(ops.cross_entropy_, pattern, new, x)
         self.sites[-1] = dataclasses.replace(site, nbytes=nbytes)
 
@@ -793,25 +773,34 @@ class _Rewriter:
         ):
             return False
         args = (m[1]["input"], m[1]["weight"], target, a["ignore_index"], a["reduction"])
-        new = self._insert(node, linear_cross_entropy, (*args, a["label_smoothing"]), _tensor(node))
-        new.meta.update({k: v for k, v in node.meta.items() if k != "example_value"})
-        node.replace_all_uses_with(new)
-        for dead in [node, *chain]:
-            self.graph.erase_node(dead)
+        new = self._substitute(
+            node, linear_cross_entropy, (*args, a["label_smoothing"]), erase=chain
+        )
         pattern = ["linear", *(_name(n) for n in reversed(chain[:-1])), "cross_entropy"]
         self._site(linear_cross_entropy, pattern, new, lin)
         return True
 
-    def _insert(self, before: fx.Node, target, args, value) -> fx.Node:
-        """A new node computing `target(*args)` (a method, if a string) before `before`, whose
-        example value is `value`."""
+    def _insert(self, before: fx.Node, target, args, value, kwargs=None) -> fx.Node:
+        """A new node computing `target(*args, **kwargs)` (a method, if a string) before
+        `before`, whose example value is `value`."""
         with self.graph.inserting_before(before):
             if isinstance(target, str):
-                new = self.graph.call_method(target, args, {})
+                new = self.graph.call_method(target, args, kwargs or {})
             else:
-                new = self.graph.call_function(target, args)
+                new = self.graph.call_function(target, args, kwargs or {})
         new.meta["example_value"] = value
         self.live.add(new, self.live.pos[before])
+        return new
+
+    def _substitute(self, node: fx.Node, fn, args, kwargs=None, erase=()) -> fx.Node:
+        """`fn(*args, **kwargs)`, whose value is a new tensor like `node`'s, in the place of
+        `node`; `node` and then the nodes in `erase` (each read only by the ones before it) go.
+        Returns the new node."""
+        new = self._insert(node, fn, args, node.meta.get("example_value"), kwargs)
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        for dead in (node, *erase):
+            self.graph.erase_node(dead)
         return new
 
     # ----------------------------------------------------------------- shared
@@ -884,11 +873,6 @@ def _is_view_or_float(node) -> bool:
         return True
     t = _tensor(node)
     return node.target in ("float", "to") and t is not None and t.dtype == torch.float32
-
-
-def _view_of(node: fx.Node, like: torch.Tensor) -> torch.Tensor:
-    """The example value of a view of node's tensor shaped like `like`."""
-    return _tensor(node).view(like.shape)
 
 
 def _upcast_view(x: fx.Node):
