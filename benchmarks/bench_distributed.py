@@ -56,9 +56,9 @@ from benchmarks.bench_train import (
     TINY,
     Size,
     Skipped,
-    _reason,
     apply_liger,
     build_model,
+    failure_reason,
     goal_line,
     liger_patch,
 )
@@ -138,7 +138,7 @@ def _everywhere(rec: dict, phase: str, fn: Callable):
     except Skipped as exc:
         outcome = ("skipped", str(exc))
     except Exception as exc:
-        outcome = ("error", f"{phase}: {_reason(exc)}")
+        outcome = ("error", f"{phase}: {failure_reason(exc)}")
     for rank, other in enumerate(_gather(outcome)):
         if other is not None:
             key, why = other

@@ -325,7 +325,7 @@ def max_grad_diff(grads: dict, ref: dict) -> float:
     return torch.stack(worst).max().item() if worst else 0.0
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     """The exception's type and first lines, short enough for a record."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {' '.join(lines[:2])}"[:400]
@@ -339,7 +339,7 @@ def _attempt(rec: dict, phase: str, fn: Callable):
     except Skipped as exc:
         rec["skipped"] = str(exc)
     except Exception as exc:
-        rec["error"] = f"{phase}: {_reason(exc)}"
+        rec["error"] = f"{phase}: {failure_reason(exc)}"
     print(f"  {rec['variant']}: {rec['skipped'] or rec['error']}", flush=True)
     return False, None
 
@@ -460,7 +460,7 @@ def time_runs(runs: dict[str, Run], batch: dict, recs: dict, steps: int, device)
     try:
         by_fn = timing(fns)
     except Exception as exc:
-        print(f"  timing all in turns: {_reason(exc)}; each alone", flush=True)
+        print(f"  timing all in turns: {failure_reason(exc)}; each alone", flush=True)
     else:
         for v, by_place in zip(names, by_fn):
             recs[v]["step_ms"] = place_median(by_place)
