@@ -193,9 +193,14 @@ class _SquareMatmul(torch.autograd.Function):
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             # y = x @ W  ->  dx = dy @ W.T;   y = x @ W.T  ->  dx = dy @ W
-            grad_x = grad @ (weight if ctx.transpose else weight.T)
+            w = weight if ctx.transpose else weight.T
+            if type(grad) is not torch.Tensor and grad.dim() > 2:
+                # A DTensor's rows sharded on a dim other than the first cannot be flattened
+                # into one matrix without a gather (torch 2.11): multiply them batched instead.
+                w = w.expand(*grad.shape[:-2], *w.shape)
+            grad_x = grad @ w
         if ctx.needs_input_grad[2]:
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+            grad_bias = grad.sum(tuple(range(grad.dim() - 1)))
         return grad_x, None, grad_bias, None, None
 
 

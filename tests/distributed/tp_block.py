@@ -5,7 +5,7 @@ PyTorch's ops (fp32, tight).
 Layout (Megatron's sequence parallelism): the residual stream is Shard(1) (sequence); q, k, v
 and the MLP's first layer are column-parallel (their input gathered), the attention's output
 projection and the MLP's second layer row-parallel with a reduce-scatter back to Shard(1).
-So the scores are sharded on heads (dim 1) for the causal softmax, and each LayerNorm runs on
+So the scores are sharded on heads (dim 0) for the causal softmax, and each LayerNorm runs on
 a sequence shard over the whole hidden dim, in place on the residual sum.
 """
 
@@ -62,8 +62,10 @@ class Block(nn.Module):
         self.norm1, self.norm2 = Norm(inplace, self.calls), Norm(inplace, self.calls)
 
     def heads(self, t):
-        # (B, S, D) -> (B, heads, S, head_dim); on DTensors, Shard(2) becomes Shard(1).
-        return t.view(BATCH, SEQ, HEADS, D // HEADS).transpose(1, 2)
+        # (B, S, D) -> (heads, B, S, head_dim); on DTensors, Shard(2) becomes Shard(0). Heads
+        # lead so that the batched products flatten (heads, B) with the sharded dim first,
+        # which DTensor does without a gather.
+        return t.view(BATCH, SEQ, HEADS, D // HEADS).permute(2, 0, 1, 3)
 
     def attention(self, x):
         q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
@@ -74,7 +76,7 @@ class Block(nn.Module):
         else:
             causal = torch.ones(SEQ, SEQ, dtype=torch.bool, device=scores.device).tril()
             probs = (scores * scale).masked_fill(~causal, float("-inf")).softmax(-1)
-        out = (probs @ v).transpose(1, 2).reshape(BATCH, SEQ, D)
+        out = (probs @ v).permute(1, 2, 0, 3).reshape(BATCH, SEQ, D)
         return self.o(out)
 
     def forward(self, x):
@@ -122,10 +124,10 @@ def tensor_sequence_parallel_block(ctx):
     out = block(xd)
     assert isinstance(out, DTensor) and out.placements == (Shard(1),), out
     (out * gd).sum().backward()
-    # The softmax ran on head shards (dim 1 of the scores), the norms on sequence shards (dim 1
+    # The softmax ran on head shards (dim 0 of the scores), the norms on sequence shards (dim 1
     # of the residual), each with no collective.
-    shard1 = ("DTensor", (Shard(1),))
-    expected_calls = [("softmax_", *shard1), 0] + [("layer_norm_", *shard1), 0] * 2
+    shard0, shard1 = ("DTensor", (Shard(0),)), ("DTensor", (Shard(1),))
+    expected_calls = [("softmax_", *shard0), 0] + [("layer_norm_", *shard1), 0] * 2
     assert block.calls == expected_calls, block.calls
 
     expected = reference(x.clone()).detach()
