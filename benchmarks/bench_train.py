@@ -30,7 +30,9 @@ same batch. Fields of each record (pass "train_step"):
 - loss: the loss the 3rd step computes; loss_after_steps: the loss the loss_steps-th step
   computes (--loss-steps, default 20: the issue's loss-parity goal).
 - peak_extra_bytes (CUDA): max_memory_allocated during one step, above what was allocated
-  before it (weights, optimizer state, grads as None); None on the CPU.
+  before it (weights, optimizer state, grads as None); None on the CPU. fwd_bwd_peak_bytes:
+  the same for the forward and backward alone (where it is lower, the optimizer step, with
+  the gradients and AdamW's temporaries, sets the step's peak).
 - step_ms: the variants' steps timed in turns (common.time_alternating: each turn starts one
   variant later), the mean over places of the median at each place (place_median); CUDA
   events, or perf_counter on the CPU. All variants of a model and length stay alive together
@@ -90,6 +92,7 @@ GOAL_MIN_SEQ, PEAK_GOAL, STEP_GOAL = 4096, 0.85, 1.05
 # Every field of a record besides env_info's and the case's; None where not measured.
 MEASURED = (
     "peak_extra_bytes",
+    "fwd_bwd_peak_bytes",
     "step_ms",
     "loss",
     "loss_steps",
@@ -431,6 +434,13 @@ def run_case(name: str, seq: int, variants: list[str], args, size: Size, device,
             if ok and graphs is not None and converted_graph_calls(run) == graphs:
                 recs[v]["error"] = "peak: the measured step ran none of convert's graphs"
                 recs[v]["peak_extra_bytes"] = None
+            if ok:
+                # The forward and backward alone: below peak_extra_bytes, the optimizer step
+                # (the gradients and AdamW's temporaries) sets the step's peak.
+                fwd_bwd = functools.partial(run.forward_backward, batch)
+                ok, peak = _attempt(recs[v], "peak", functools.partial(peak_extra_bytes, fwd_bwd))
+                recs[v]["fwd_bwd_peak_bytes"] = peak if recs[v]["peak_extra_bytes"] else None
+                run.update()
             if not ok:
                 del runs[v], run, step
                 _free(device)
@@ -490,9 +500,9 @@ def table_rows(records: list[dict]) -> list[dict]:
     rows = []
     for r in records:
         base = cases[(r["model"], r["seq"])].get(REFERENCE, {})
-        row = dict(
-            r, peak=None if r["peak_extra_bytes"] is None else fmt_bytes(r["peak_extra_bytes"])
-        )
+        row = dict(r)
+        for key, out in (("peak_extra_bytes", "peak"), ("fwd_bwd_peak_bytes", "fwd_bwd_peak")):
+            row[out] = None if r.get(key) is None else fmt_bytes(r[key])
         for key, out in (("step_ms", "ms_ratio"), ("peak_extra_bytes", "peak_ratio")):
             if r[key] is not None and base.get(key):
                 row[out] = r[key] / base[key]
@@ -564,6 +574,7 @@ def report(records: list[dict]) -> None:
         "ms_ratio",
         "peak",
         "peak_ratio",
+        "fwd_bwd_peak",
         "loss",
         "loss_after_steps",
         "loss_diff",
@@ -574,7 +585,9 @@ def report(records: list[dict]) -> None:
     md = (
         "Ratios are to the sdpa model's; loss is the 3rd step's, loss_after_steps the "
         "loss_steps-th's (in train.json), loss_diff that less sdpa's; max_grad_diff: the first "
-        "step's gradients against sdpa's.\n\n" + markdown_table(table_rows(records), columns)
+        "step's gradients against sdpa's; fwd_bwd_peak: the forward and backward's peak "
+        "alone (where it is below peak, the optimizer step sets the peak).\n\n"
+        + markdown_table(table_rows(records), columns)
     )
     if goal_lines:
         md += "\nGoals:\n\n" + "".join(f"- {g}\n" for g in goal_lines)
