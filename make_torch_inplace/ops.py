@@ -200,7 +200,7 @@ class _SquareMatmul(torch.autograd.Function):
                 w = w.expand(*grad.shape[:-2], *w.shape)
             grad_x = grad @ w
         if ctx.needs_input_grad[2]:
-            grad_bias = grad.sum(tuple(range(grad.dim() - 1)))
+            grad_bias = grad.sum(tuple(range(grad.dim() - 1))) if grad.dim() > 1 else grad
         return grad_x, None, grad_bias, None, None
 
 

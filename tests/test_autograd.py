@@ -135,6 +135,16 @@ GRADCHECK_CASES = {
         leaf((5, 6), 33, device=d),
         leaf((6,), 34, device=d),
     ),
+    "square_matmul_bias_one_row": lambda d: (
+        lambda x, b: out_of_place(mti.square_matmul_)(x, randn((6, 6), F64, d, 38), b),
+        leaf((6,), 39, device=d),
+        leaf((6,), 40, device=d),
+    ),
+    "square_matmul_bias_3d": lambda d: (
+        lambda x, b: out_of_place(mti.square_matmul_)(x, randn((6, 6), F64, d, 41), b),
+        leaf((2, 3, 6), 42, device=d),
+        leaf((6,), 43, device=d),
+    ),
     "linear_bias": lambda d: (
         lambda x, b: out_of_place(mti.linear_)(x, randn((6, 6), F64, d, 35), b),
         leaf((5, 6), 36, device=d),
