@@ -88,6 +88,8 @@ if python -c 'import xdist' 2>/dev/null; then
   PYTEST_ARGS+=(-n "${PYTEST_WORKERS:-12}")
 fi
 PYTEST_STATUS=0
+# New hypothesis examples on every GPU check (CI draws the same ones each run).
+export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-explore}"
 logged pytest python -m pytest "${PYTEST_ARGS[@]}" || PYTEST_STATUS=$?
 COUNTS="$(grep -E '^=+ .*[0-9]+ (passed|failed|skipped|error)' "$LOGS/pytest.log" |
   tail -1 | tr -d '=' | xargs || true)"
