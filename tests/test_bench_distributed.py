@@ -61,10 +61,10 @@ def test_variant_trains(records, variant):
 @pytest.mark.parametrize("variant", ["convert", "convert-nologits"])
 def test_converted_loss_matches_sdpa(records, variant):
     # Same weights, same batch per rank: convert computes the same function, which fp32
-    # shows tightly; with two GPUs the run is bf16, whose rounding differs between the two.
-    if records["sdpa"]["dtype"] != "float32":
-        pytest.skip("bf16 on two GPUs: the losses agree only to bf16 rounding")
-    assert records[variant]["loss"] == pytest.approx(records["sdpa"]["loss"], rel=1e-5)
+    # shows tightly; with two GPUs the run is bf16, whose rounding differs between the two
+    # (held to 2 units of bf16's relative precision, 2**-7).
+    rel = 1e-5 if records["sdpa"]["dtype"] == "float32" else 2**-7
+    assert records[variant]["loss"] == pytest.approx(records["sdpa"]["loss"], rel=rel)
 
 
 def test_liger_runs_or_says_why(records):
