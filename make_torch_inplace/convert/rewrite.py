@@ -439,11 +439,19 @@ class _Rewriter:
                 or not _contiguous_dims(tg.shape, tg.stride())
             ):
                 continue
-            new = self._substitute(node, silu_mul, (g, u), erase=[act])
+            # Where nothing but this op reads or saves g and u, its backward writes their
+            # gradients over them.
+            pos = self.live.pos[node]
+            consume = self.live.disjoint(g, [u]) and all(
+                self.live.dead_after(v, pos, savers=(act, node)) for v in (g, u)
+            )
+            kwargs = {"consume": True} if consume else {}
+            new = self._substitute(node, silu_mul, (g, u), kwargs, erase=[act])
             self.live.mark_saved(g, new)
             self.live.mark_saved(u, new)
             self._site(silu_mul, ["silu", "mul"], new, act)
-            self.sites[-1] = dataclasses.replace(self.sites[-1], op="silu_mul (recomputes silu)")
+            op = "silu_mul (recomputes silu" + (", gradients over g, u)" if consume else ")")
+            self.sites[-1] = dataclasses.replace(self.sites[-1], op=op)
             self._silu_mul_sites[new] = self.sites[-1]
             return True
         return False
@@ -529,11 +537,18 @@ class _Rewriter:
         if not isinstance(p, fx.Node) or len(p.users) != 1 or (view and len(view.users) != 1):
             return False
         if p.op == "call_function" and p.target is silu_mul:
-            fn, inputs, kwargs, act = linear_of_silu_mul, list(p.args), {}, "silu -> mul"
+            fn, inputs, kwargs, act = (
+                linear_of_silu_mul,
+                list(p.args),
+                dict(p.kwargs),
+                "silu -> mul",
+            )
             recomputed = "silu(g) * u"
         elif (m := _match(p, ("gelu",))) is not None:
             fn, inputs, act, recomputed = linear_of_gelu, [m[1]["input"]], "gelu", "gelu"
             kwargs = {"approximate": m[1]["approximate"]}
+            if self.live.dead_after(inputs[0], self.live.pos[node], savers=(p,)):
+                kwargs["consume"] = True  # as silu_mul's
         else:
             return False
         values = [_tensor(i) for i in inputs]
@@ -557,7 +572,8 @@ class _Rewriter:
         site = self._site(fn, pattern, new, new)
         self.sites[-1] = dataclasses.replace(
             site,
-            op=f"{site.op} (recomputes {recomputed})",
+            op=f"{site.op} (recomputes {recomputed}"
+            + (", gradients over its inputs)" if kwargs.get("consume") else ")"),
             nbytes=0,
             parts=(absorbed,) if absorbed else (),
         )
@@ -681,7 +697,7 @@ class _Rewriter:
         if not (_inplace_ok(t, _tensor(node), mti_op=True) and self.live.disjoint(x, params)):
             return
         pattern = [family]
-        if not self.live.dead_after(x, pos, saver=node):
+        if not self.live.dead_after(x, pos, savers=(node,)):
             if not self.training:
                 return
             x = self._insert(node, torch.clone, (x,), torch.empty_like(t))
@@ -744,7 +760,7 @@ class _Rewriter:
             pattern = [_name(n) for n in reversed(erase)] + pattern
             if over is not src:
                 pattern.insert(0, "clone")
-        elif self.live.dead_after(x, pos, saver=node):
+        elif self.live.dead_after(x, pos, savers=(node,)):
             erase = []
         else:
             return
