@@ -204,6 +204,28 @@ def test_causal_lm_without_its_logits(dtype):
     assert "linear_cross_entropy" in ops_of(converted)
 
 
+@pytest.mark.parametrize("head", ["frozen", "trained"])
+def test_returned_logits_are_read_a_piece_at_a_time(head):
+    """The model returns its logits: the loss reads them a piece at a time (linear_cross_
+    entropy) instead of keeping a copy of them, where that keeps less: a frozen head, or one
+    whose weight's gradient (V x D) and h's are smaller than the logits (many rows)."""
+    model = _llama(torch.float32)
+    seq = 12
+    if head == "frozen":
+        model.lm_head.requires_grad_(False)
+    else:  # rows x V > (V + rows) x D + the workspace limit
+        seq = 200
+    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(3))
+    with mti.workspace_limit(128 * 5 * 4):  # five rows of logits a piece
+        converted = check_training(model, (ids,), lambda out: out.loss, labels=ids)
+        logits = converted(ids, labels=ids).logits
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    (site,) = [s for s in converted.sites if "cross_entropy" in s.op]
+    assert site.op == "linear_cross_entropy"
+    assert site.pattern == "linear -> float -> view -> cross_entropy"
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_cross_entropy(dtype, reduction):

@@ -258,6 +258,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.cross_entropy(F.linear(h, weight).float(), target, ...) for (..., H) h, a (V, H) weight
     and int64 target (...), "mean" or "sum", without the (..., V) logits: rows of them are made
@@ -265,18 +266,24 @@ def linear_cross_entropy(
     by cross_entropy_, which leaves their gradient in place, and that gradient multiplied into
     h's and the weight's gradients at once. What autograd keeps is those two gradients (h's
     size, and the weight's, accumulated in its dtype: one rounding per piece), not the logits.
+    `logits`: F.linear(h, weight) where the caller has them anyway (the model returns them):
+    each piece is a copy of their rows instead of a product, and the loss passes no gradient
+    to them (it reaches h and the weight directly), so autograd keeps no copy of them.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(
             f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction}"
         )
-    return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction, label_smoothing)
+    return _LinearCrossEntropy.apply(
+        h, weight, target, ignore_index, reduction, label_smoothing, logits
+    )
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, target, ignore_index, reduction, label_smoothing):
+    def forward(ctx, h, weight, target, ignore_index, reduction, label_smoothing, logits=None):
         rows, t = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+        given = None if logits is None else logits.reshape(-1, logits.shape[-1])
         vocab = weight.shape[0]
         step = max(1, ops.get_workspace_limit() // max(1, vocab * h.element_size()))
         want_h, want_w = ctx.needs_input_grad[:2]
@@ -288,14 +295,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float64, device=h.device)
         for r0 in range(0, rows.shape[0], step):
             h_r, t_r = rows[r0 : r0 + step], t[r0 : r0 + step]
-            logits = h_r @ weight.t()
-            loss += ops.cross_entropy_(logits, t_r, ignore_index, "sum", label_smoothing)
+            piece = h_r @ weight.t() if given is None else given[r0 : r0 + step].clone()
+            loss += ops.cross_entropy_(piece, t_r, ignore_index, "sum", label_smoothing)
             if scale is not None:
-                logits.mul_(scale.to(logits.dtype))
+                piece.mul_(scale.to(piece.dtype))
             if want_h:
-                torch.mm(logits, weight, out=grad_h[r0 : r0 + step])
+                torch.mm(piece, weight, out=grad_h[r0 : r0 + step])
             if want_w:
-                grad_w.addmm_(logits.t(), h_r)
+                grad_w.addmm_(piece.t(), h_r)
         if scale is not None:
             loss = loss * scale
         ctx.save_for_backward(grad_h, grad_w)
@@ -312,4 +319,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype)).view(ctx.shape)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype))
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None

@@ -4,6 +4,7 @@ in-place form (see the package's docstring for the rules)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Callable, Sequence
 
@@ -770,10 +771,11 @@ class _Rewriter:
         self.sites[-1] = dataclasses.replace(site, nbytes=nbytes)
 
     def _linear_cross_entropy(self, node, x, target, a) -> bool:
-        """The loss of logits that nothing else reads (not returned: see convert's
-        drop_outputs), F.linear(h, W) as float32 (viewed), where autograd records ->
-        linear_cross_entropy(h, W, ...): the logits are never allocated whole. Returns
-        whether it rewrote."""
+        """The loss of logits F.linear(h, W) as float32 (viewed), where autograd records ->
+        linear_cross_entropy(h, W, ...): where nothing else reads the logits (not returned:
+        see convert's drop_outputs), they are never allocated whole; where something does
+        (the model returns them), the loss reads them a piece at a time, and autograd keeps
+        no copy of them. Returns whether it rewrote."""
         chain = [x]  # from the loss's input back to the linear
         while _is_view_or_float(chain[-1]) and len(chain[-1].users) == 1:
             chain.append(chain[-1].args[0])
@@ -784,17 +786,35 @@ class _Rewriter:
             or a["reduction"] not in ("mean", "sum")
             or m is None
             or m[1]["bias"] is not None
-            or len(lin.users) != 1
             or _tensor(m[1]["input"]) is None
         ):
             return False
         args = (m[1]["input"], m[1]["weight"], target, a["ignore_index"], a["reduction"])
-        new = self._substitute(
-            node, linear_cross_entropy, (*args, a["label_smoothing"]), erase=chain
-        )
         pattern = ["linear", *(_name(n) for n in reversed(chain[:-1])), "cross_entropy"]
+        kwargs = {}
+        if len(lin.users) > 1:  # the logits live on: the loss reads them, the linear stays
+            if not self._reading_logits_pays(lin, m[1]["weight"]):
+                return False
+            kwargs["logits"], chain = lin, chain[:-1]
+        new = self._substitute(
+            node, linear_cross_entropy, (*args, a["label_smoothing"]), kwargs, erase=chain
+        )
         self._site(linear_cross_entropy, pattern, new, lin)
         return True
+
+    def _reading_logits_pays(self, lin, weight) -> bool:
+        """Whether linear_cross_entropy reading logits that live on (rows x V) keeps less than
+        cross_entropy_ over a copy of them, which autograd keeps until the backward: it keeps
+        h's gradient and one piece of logits from the forward on, and the weight's gradient
+        (V x H), which the copy's backward allocates while the copy lives."""
+        out, w = _tensor(lin), _tensor(weight)
+        if out is None or w is None or w.dim() != 2:
+            return False
+        if not w.requires_grad:
+            return True
+        rows, (vocab, hidden), size = math.prod(out.shape[:-1]), w.shape, out.element_size()
+        kept = (vocab + rows) * hidden * size + ops.get_workspace_limit()
+        return self.constants.holds(rows * vocab * size > kept)
 
     def _insert(self, before: fx.Node, target, args, value, kwargs=None) -> fx.Node:
         """A new node computing `target(*args, **kwargs)` (a method, if a string) before
