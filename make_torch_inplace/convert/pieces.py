@@ -159,10 +159,15 @@ def _silu_mul_grads_over(grad, g, u):
 
 
 def _can_write_over(grad, inputs) -> bool:
-    """The inputs can hold their gradients: contiguous, of grad's shape and dtype, and
+    """The inputs can hold their gradients: plain tensors (not a subclass such as DTensor,
+    whose local memory this does not see), contiguous, of grad's shape and dtype, and
     sharing no memory with each other."""
     return all(
-        t.is_contiguous() and t.shape == grad.shape and t.dtype == grad.dtype for t in inputs
+        type(t) is torch.Tensor
+        and t.is_contiguous()
+        and t.shape == grad.shape
+        and t.dtype == grad.dtype
+        for t in inputs
     ) and len({t.untyped_storage().data_ptr() for t in inputs}) == len(inputs)
 
 
