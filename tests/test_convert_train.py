@@ -4,6 +4,8 @@ written over, norms save their output instead of their input, and autograd's own
 fire where the model itself writes over a saved tensor."""
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,10 @@ from make_torch_inplace.convert import (
     linear_of_silu_mul,
     silu_mul,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.live_tensors import LiveTensors
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -140,7 +146,9 @@ def test_transformers_train(kind, attn):
     assert norm in ops  # Llama's written-out RMSNorm is one op
     # The MLP's activation is computed again in the backward, not saved.
     recomputed = "linear_of_silu_mul" if kind == "llama" else "linear_of_gelu"
-    assert sum(s.op.startswith(recomputed) for s in converted.sites) == 2
+    mlps = [s.op for s in converted.sites if s.op.startswith(recomputed)]
+    # Its inputs are read and saved by it alone: its backward writes their gradients over them.
+    assert len(mlps) == 2 and all(op.endswith("gradients over its inputs)") for op in mlps)
     assert attn != "eager" or kind == "llama" or "softmax_" in ops
 
 
@@ -194,6 +202,28 @@ def test_causal_lm_without_its_logits(dtype):
         )
         assert converted(ids.clamp(min=0), labels=ids).logits is None
     assert "linear_cross_entropy" in ops_of(converted)
+
+
+@pytest.mark.parametrize("head", ["frozen", "trained"])
+def test_returned_logits_are_read_a_piece_at_a_time(head):
+    """The model returns its logits: the loss reads them a piece at a time (linear_cross_
+    entropy) instead of keeping a copy of them, where that keeps less: a frozen head, or one
+    whose weight's gradient (V x D) and h's are smaller than the logits (many rows)."""
+    model = _llama(torch.float32)
+    seq = 12
+    if head == "frozen":
+        model.lm_head.requires_grad_(False)
+    else:  # rows x V > (V + rows) x D + the workspace limit
+        seq = 200
+    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(3))
+    with mti.workspace_limit(128 * 5 * 4):  # five rows of logits a piece
+        converted = check_training(model, (ids,), lambda out: out.loss, labels=ids)
+        logits = converted(ids, labels=ids).logits
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    (site,) = [s for s in converted.sites if "cross_entropy" in s.op]
+    assert site.op == "linear_cross_entropy"
+    assert site.pattern == "linear -> float -> view -> cross_entropy"
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -268,7 +298,7 @@ _RECOMPUTING = {
     "silu_mul": (silu_mul, _swiglu, 2),
     "linear_of_silu_mul": (linear_of_silu_mul, lambda g, u, w, b: F.linear(_swiglu(g, u), w, b), 2),
     "linear_of_gelu": (
-        lambda x, w, b: linear_of_gelu(x, w, b, approximate="tanh"),
+        lambda x, w, b, **kw: linear_of_gelu(x, w, b, approximate="tanh", **kw),
         lambda x, w, b: F.linear(F.gelu(x, approximate="tanh"), w, b),
         1,
     ),
@@ -296,6 +326,90 @@ def test_recomputing_pieces(name, dtype):
     assert_accurate(out.detach(), out_t.detach(), out64.detach(), "value")
     for i, (g, t, r) in enumerate(zip(grads, grads_t, grads64)):
         assert_accurate(g, t, r, f"grad #{i}")
+
+
+@pytest.mark.parametrize("name", list(_RECOMPUTING))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_over_the_inputs(name, dtype):
+    """consume=True: the backward writes the inputs' gradients over the inputs, a piece of
+    rows at a time (here 5 pieces), with exactly the values of consume=False."""
+    ours, _, n_inputs = _RECOMPUTING[name]
+    shape = (2, 5, 3 * D)
+    leaves = [randn(shape, dtype, "cpu", seed=i).requires_grad_() for i in range(n_inputs)]
+    params = []
+    if name != "silu_mul":
+        params = [randn((D, 3 * D), dtype, "cpu", seed=8), randn((D,), dtype, "cpu", seed=9)]
+        params = [p.requires_grad_() for p in params]
+    results = []
+    limit = 8 * 2 * 2 * shape[-1] * torch.finfo(dtype).bits // 8  # two rows a piece
+    for consume in (False, True):
+        inputs = [leaf * 1 for leaf in leaves]  # not leaves: dead after the op
+        with mti.workspace_limit(limit):
+            out = ours(*inputs, *params, consume=consume)
+            grad = randn(out.shape, dtype, "cpu", seed=3)
+            grads = torch.autograd.grad(out, inputs + params, grad)
+        moved = [g.data_ptr() == i.data_ptr() for g, i in zip(grads, inputs)]
+        assert all(moved) if consume else not any(moved)
+        results.append(grads)
+    for i, (g, ref) in enumerate(zip(*results)):
+        assert torch.equal(g, ref), f"grad #{i}"
+
+
+class GateReadLater(nn.Module):
+    """A SwiGLU MLP whose gate projection is read again after the activation (`late`) or saved
+    by another op (`saved`): its backward may not write over it."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.use = use
+        self.gate, self.up = nn.Linear(D, 3 * D), nn.Linear(D, 3 * D)
+        self.down = nn.Linear(3 * D, D)
+
+    def forward(self, x):
+        g = self.gate(x)
+        h = self.down(F.silu(g) * self.up(x))
+        if self.use == "late":
+            return h + g[..., :D]
+        return h + (g * g)[..., :D]
+
+
+@pytest.mark.parametrize("use", ["late", "saved"])
+def test_gradients_not_over_an_input_read_elsewhere(use):
+    model = make_block(lambda: GateReadLater(use), "cpu").train()
+    x = randn((3, D), torch.float32, "cpu", seed=1)
+    converted = check_training(model, (x,), _masked_sum)
+    (op,) = [s.op for s in converted.sites if s.op.startswith("linear_of_silu_mul")]
+    assert "gradients over" not in op
+
+
+def test_mlp_backward_holds_one_activation_wide_tensor():
+    """A LoRA-like Llama (every weight frozen but the embedding): the backward's peak above
+    what the forward leaves alive is the MLP's backward: the activation's gradient (rows x I),
+    the residual stream's gradient (rows x D) and two pieces of temporaries, here an eighth of
+    the rows each. Autograd's silu backward would hold three more rows x I tensors."""
+    inter, rows = 4 * D, 256
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=D,
+        intermediate_size=inter,
+        num_attention_heads=4,
+        vocab_size=128,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train().requires_grad_(False)
+    model.model.embed_tokens.weight.requires_grad_(True)
+    ids = torch.randint(0, 128, (1, rows), generator=torch.Generator().manual_seed(3))
+    with mti.workspace_limit(8 * 2 * (rows // 8) * inter * 4):
+        converted = mti.convert(model, drop_outputs=("logits",))
+        converted(ids, labels=ids).loss.backward()  # captures outside the tracker
+        tracker = LiveTensors()
+        with tracker:
+            loss = converted(ids, labels=ids).loss
+            forward_end = sum(a.nbytes for a in tracker.alive())
+            loss.backward()
+    extra = tracker.peak - forward_end
+    assert extra <= rows * (inter + inter // 4 + D) * 4
 
 
 def test_optimizer_steps_match():

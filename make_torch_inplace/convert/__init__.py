@@ -26,7 +26,8 @@ its in-place form when the tensor it would overwrite is dead there:
   place only by a frozen weight; batched products (attention's) are left to autograd;
   ``F.silu(g) * u`` becomes silu_mul, which saves g and u and computes silu(g) again in the
   backward instead of saving it, and a linear of it or of ``F.gelu(x)`` becomes
-  linear_of_silu_mul / linear_of_gelu, which save the activation's inputs alone.
+  linear_of_silu_mul / linear_of_gelu, which save the activation's inputs alone (and write
+  their gradients over them in the backward where nothing else reads or saves them).
 
 Patterns: F.linear / addmm / matmul with a square weight (-> linear_ / square_matmul_),
 softmax / log_softmax with the scale and additive mask that feed them folded in

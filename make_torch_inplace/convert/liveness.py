@@ -69,15 +69,15 @@ class _Liveness:
         for root in self._roots(node):
             self._saved_by.setdefault(root, set()).add(saver)
 
-    def dead_after(self, node: fx.Node, pos: int, saver: fx.Node | None = None) -> bool:
+    def dead_after(self, node: fx.Node, pos: int, savers: Iterable[fx.Node] = ()) -> bool:
         """True if `node`'s value may be overwritten at `pos`: nothing reads it later, and
-        nothing saves it for the backward but `saver` (the op being rewritten, whose in-place
-        form saves its output instead)."""
-        roots = self._roots(node)
+        nothing saves it for the backward but `savers` (the ops being rewritten, whose new
+        form saves its output instead, or writes over what it saved in its backward)."""
+        roots, savers = self._roots(node), set(savers)
         return bool(roots) and all(
             r not in self._inputs
             and self._last_read.get(r, -1) <= pos
-            and self._saved_by.get(r, set()) <= {saver}
+            and self._saved_by.get(r, set()) <= savers
             for r in roots
         )
 

@@ -122,11 +122,13 @@ def attention_in_pieces(
     return out
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def silu_mul(g: torch.Tensor, u: torch.Tensor, consume: bool = False) -> torch.Tensor:
     """F.silu(g) * u (a SwiGLU MLP's gate times its up projection) for g and u of one shape and
     dtype, saving only g and u for the backward, which computes silu(g) again: autograd would
-    save silu(g) too, a third tensor of the MLP's width."""
-    return _SiluMul.apply(g, u)
+    save silu(g) too, a third tensor of the MLP's width. consume: nothing but this op reads g
+    or u after it, nor saves them (the caller checked), so the backward writes their gradients
+    over them."""
+    return _SiluMul.apply(consume, g, u)
 
 
 def _silu_mul_value(g, u):
@@ -139,27 +141,63 @@ def _silu_mul_grads(grad, g, u):
     return torch.ops.aten.silu_backward(grad * u, g), grad_u
 
 
+def _silu_mul_grads_over(grad, g, u):
+    """_silu_mul_grads written over g and u (saved tensors that nothing reads after this
+    backward), a piece of rows at a time: it allocates two pieces of temporaries (silu(g) and
+    grad * u), which together take at most an eighth of the workspace limit, instead of both
+    gradients and their temporaries whole. Each piece runs the ops of _silu_mul_grads, so the
+    values are the same. g and u: contiguous, of grad's shape and dtype, not sharing memory."""
+    n = g.shape[-1]
+    step = max(1, ops.get_workspace_limit() // (8 * 2 * n * g.element_size()))
+    g_rows, u_rows, grad_rows = g.view(-1, n), u.view(-1, n), grad.reshape(-1, n)
+    for r0 in range(0, g_rows.shape[0], step):
+        g_p, u_p, grad_p = (t[r0 : r0 + step] for t in (g_rows, u_rows, grad_rows))
+        grad_times_u = grad_p * u_p
+        torch.mul(F.silu(g_p), grad_p, out=u_p)
+        torch.ops.aten.silu_backward.grad_input(grad_times_u, g_p, grad_input=g_p)
+    return g, u
+
+
+def _can_write_over(grad, inputs) -> bool:
+    """The inputs can hold their gradients: plain tensors (not a subclass such as DTensor,
+    whose local memory this does not see), contiguous, of grad's shape and dtype, and
+    sharing no memory with each other."""
+    return all(
+        type(t) is torch.Tensor
+        and t.is_contiguous()
+        and t.shape == grad.shape
+        and t.dtype == grad.dtype
+        for t in inputs
+    ) and len({t.untyped_storage().data_ptr() for t in inputs}) == len(inputs)
+
+
 class _SiluMul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, g, u):
+    def forward(ctx, consume, g, u):
         ctx.save_for_backward(g, u)
+        ctx.consume = consume
         return _silu_mul_value(g, u)
 
     @staticmethod
     def backward(ctx, grad):
-        return _silu_mul_grads(grad, *ctx.saved_tensors)
+        g, u = ctx.saved_tensors
+        if ctx.consume and _can_write_over(grad, (g, u)):
+            return None, *_silu_mul_grads_over(grad, g, u)
+        return None, *_silu_mul_grads(grad, g, u)
 
 
-def linear_of_silu_mul(g, u, weight, bias=None):
+def linear_of_silu_mul(g, u, weight, bias=None, consume=False):
     """F.linear(silu(g) * u, weight, bias) (a SwiGLU MLP's down projection), saving g and u
     only: the backward computes silu(g) * u again, which autograd would save for the weight's
-    gradient."""
-    return _LinearOfActivation.apply(_silu_mul_value, _silu_mul_grads, weight, bias, g, u)
+    gradient. consume: as silu_mul's."""
+    over = _silu_mul_grads_over if consume else None
+    return _LinearOfActivation.apply(_silu_mul_value, _silu_mul_grads, over, weight, bias, g, u)
 
 
-def linear_of_gelu(x, weight, bias=None, approximate="none"):
+def linear_of_gelu(x, weight, bias=None, approximate="none", consume=False):
     """F.linear(F.gelu(x, approximate=approximate), weight, bias), saving x only: the backward
-    computes the GELU again, which autograd would save for the weight's gradient."""
+    computes the GELU again, which autograd would save for the weight's gradient. consume: as
+    silu_mul's, for x."""
 
     def value(x):
         return F.gelu(x, approximate=approximate)
@@ -167,17 +205,24 @@ def linear_of_gelu(x, weight, bias=None, approximate="none"):
     def grads(grad, x):
         return (torch.ops.aten.gelu_backward(grad, x, approximate=approximate),)
 
-    return _LinearOfActivation.apply(value, grads, weight, bias, x)
+    def grads_over(grad, x):  # x's gradient over x: no temporary
+        gelu_backward = torch.ops.aten.gelu_backward.grad_input
+        return (gelu_backward(grad, x, approximate=approximate, grad_input=x),)
+
+    over = grads_over if consume else None
+    return _LinearOfActivation.apply(value, grads, over, weight, bias, x)
 
 
 class _LinearOfActivation(torch.autograd.Function):
     """F.linear(value(*inputs), weight, bias), saving the inputs and not value's result;
-    grads(grad_value, *inputs) gives the inputs' gradients."""
+    grads(grad_value, *inputs) gives the inputs' gradients, and grads_over (None: none) the
+    same written over the inputs, which the caller has checked nothing else reads or saves."""
 
     @staticmethod
-    def forward(ctx, value, grads, weight, bias, *inputs):
+    def forward(ctx, value, grads, grads_over, weight, bias, *inputs):
         ctx.save_for_backward(weight, *inputs)
-        ctx.grads, ctx.value, ctx.has_bias = grads, value, bias is not None
+        ctx.grads, ctx.grads_over, ctx.value = grads, grads_over, value
+        ctx.has_bias = bias is not None
         act = value(*inputs)
         # Into a tensor of the output's own (F.linear of a 3-d input returns a view, which
         # autograd does not let later in-place ops write through).
@@ -192,7 +237,7 @@ class _LinearOfActivation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weight, *inputs = ctx.saved_tensors
-        want_w, want_b, *want_inputs = ctx.needs_input_grad[2:]
+        want_w, want_b, *want_inputs = ctx.needs_input_grad[3:]
         grad_w = grad_b = None
         rows = grad.reshape(-1, grad.shape[-1])
         if want_w:
@@ -203,8 +248,12 @@ class _LinearOfActivation(torch.autograd.Function):
             grad_b = rows.sum(0)
         grad_inputs = [None] * len(inputs)
         if any(want_inputs):
-            grad_inputs = ctx.grads(grad @ weight, *inputs)
-        return None, None, grad_w, grad_b, *grad_inputs
+            grad_act = grad @ weight
+            if ctx.grads_over is not None and _can_write_over(grad_act, inputs):
+                grad_inputs = ctx.grads_over(grad_act, *inputs)
+            else:
+                grad_inputs = ctx.grads(grad_act, *inputs)
+        return None, None, None, grad_w, grad_b, *grad_inputs
 
 
 def linear_cross_entropy(
@@ -214,6 +263,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.cross_entropy(F.linear(h, weight).float(), target, ...) for (..., H) h, a (V, H) weight
     and int64 target (...), "mean" or "sum", without the (..., V) logits: rows of them are made
@@ -221,18 +271,24 @@ def linear_cross_entropy(
     by cross_entropy_, which leaves their gradient in place, and that gradient multiplied into
     h's and the weight's gradients at once. What autograd keeps is those two gradients (h's
     size, and the weight's, accumulated in its dtype: one rounding per piece), not the logits.
+    `logits`: F.linear(h, weight) where the caller has them anyway (the model returns them):
+    each piece is a copy of their rows instead of a product, and the loss passes no gradient
+    to them (it reaches h and the weight directly), so autograd keeps no copy of them.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(
             f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction}"
         )
-    return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction, label_smoothing)
+    return _LinearCrossEntropy.apply(
+        h, weight, target, ignore_index, reduction, label_smoothing, logits
+    )
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, target, ignore_index, reduction, label_smoothing):
+    def forward(ctx, h, weight, target, ignore_index, reduction, label_smoothing, logits=None):
         rows, t = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+        given = None if logits is None else logits.reshape(-1, logits.shape[-1])
         vocab = weight.shape[0]
         step = max(1, ops.get_workspace_limit() // max(1, vocab * h.element_size()))
         want_h, want_w = ctx.needs_input_grad[:2]
@@ -244,14 +300,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float64, device=h.device)
         for r0 in range(0, rows.shape[0], step):
             h_r, t_r = rows[r0 : r0 + step], t[r0 : r0 + step]
-            logits = h_r @ weight.t()
-            loss += ops.cross_entropy_(logits, t_r, ignore_index, "sum", label_smoothing)
+            piece = h_r @ weight.t() if given is None else given[r0 : r0 + step].clone()
+            loss += ops.cross_entropy_(piece, t_r, ignore_index, "sum", label_smoothing)
             if scale is not None:
-                logits.mul_(scale.to(logits.dtype))
+                piece.mul_(scale.to(piece.dtype))
             if want_h:
-                torch.mm(logits, weight, out=grad_h[r0 : r0 + step])
+                torch.mm(piece, weight, out=grad_h[r0 : r0 + step])
             if want_w:
-                grad_w.addmm_(logits.t(), h_r)
+                grad_w.addmm_(piece.t(), h_r)
         if scale is not None:
             loss = loss * scale
         ctx.save_for_backward(grad_h, grad_w)
@@ -268,4 +324,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype)).view(ctx.shape)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype))
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None

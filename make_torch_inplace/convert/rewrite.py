@@ -4,6 +4,7 @@ in-place form (see the package's docstring for the rules)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Callable, Sequence
 
@@ -439,11 +440,19 @@ class _Rewriter:
                 or not _contiguous_dims(tg.shape, tg.stride())
             ):
                 continue
-            new = self._substitute(node, silu_mul, (g, u), erase=[act])
+            # Where nothing but this op reads or saves g and u, its backward writes their
+            # gradients over them.
+            pos = self.live.pos[node]
+            consume = self.live.disjoint(g, [u]) and all(
+                self.live.dead_after(v, pos, savers=(act, node)) for v in (g, u)
+            )
+            kwargs = {"consume": True} if consume else {}
+            new = self._substitute(node, silu_mul, (g, u), kwargs, erase=[act])
             self.live.mark_saved(g, new)
             self.live.mark_saved(u, new)
             self._site(silu_mul, ["silu", "mul"], new, act)
-            self.sites[-1] = dataclasses.replace(self.sites[-1], op="silu_mul (recomputes silu)")
+            op = "silu_mul (recomputes silu" + (", gradients over g, u)" if consume else ")")
+            self.sites[-1] = dataclasses.replace(self.sites[-1], op=op)
             self._silu_mul_sites[new] = self.sites[-1]
             return True
         return False
@@ -529,11 +538,18 @@ class _Rewriter:
         if not isinstance(p, fx.Node) or len(p.users) != 1 or (view and len(view.users) != 1):
             return False
         if p.op == "call_function" and p.target is silu_mul:
-            fn, inputs, kwargs, act = linear_of_silu_mul, list(p.args), {}, "silu -> mul"
+            fn, inputs, kwargs, act = (
+                linear_of_silu_mul,
+                list(p.args),
+                dict(p.kwargs),
+                "silu -> mul",
+            )
             recomputed = "silu(g) * u"
         elif (m := _match(p, ("gelu",))) is not None:
             fn, inputs, act, recomputed = linear_of_gelu, [m[1]["input"]], "gelu", "gelu"
             kwargs = {"approximate": m[1]["approximate"]}
+            if self.live.dead_after(inputs[0], self.live.pos[node], savers=(p,)):
+                kwargs["consume"] = True  # as silu_mul's
         else:
             return False
         values = [_tensor(i) for i in inputs]
@@ -557,7 +573,8 @@ class _Rewriter:
         site = self._site(fn, pattern, new, new)
         self.sites[-1] = dataclasses.replace(
             site,
-            op=f"{site.op} (recomputes {recomputed})",
+            op=f"{site.op} (recomputes {recomputed}"
+            + (", gradients over its inputs)" if kwargs.get("consume") else ")"),
             nbytes=0,
             parts=(absorbed,) if absorbed else (),
         )
@@ -681,7 +698,7 @@ class _Rewriter:
         if not (_inplace_ok(t, _tensor(node), mti_op=True) and self.live.disjoint(x, params)):
             return
         pattern = [family]
-        if not self.live.dead_after(x, pos, saver=node):
+        if not self.live.dead_after(x, pos, savers=(node,)):
             if not self.training:
                 return
             x = self._insert(node, torch.clone, (x,), torch.empty_like(t))
@@ -744,7 +761,7 @@ class _Rewriter:
             pattern = [_name(n) for n in reversed(erase)] + pattern
             if over is not src:
                 pattern.insert(0, "clone")
-        elif self.live.dead_after(x, pos, saver=node):
+        elif self.live.dead_after(x, pos, savers=(node,)):
             erase = []
         else:
             return
@@ -754,10 +771,11 @@ class _Rewriter:
         self.sites[-1] = dataclasses.replace(site, nbytes=nbytes)
 
     def _linear_cross_entropy(self, node, x, target, a) -> bool:
-        """The loss of logits that nothing else reads (not returned: see convert's
-        drop_outputs), F.linear(h, W) as float32 (viewed), where autograd records ->
-        linear_cross_entropy(h, W, ...): the logits are never allocated whole. Returns
-        whether it rewrote."""
+        """The loss of logits F.linear(h, W) as float32 (viewed), where autograd records ->
+        linear_cross_entropy(h, W, ...): where nothing else reads the logits (not returned:
+        see convert's drop_outputs), they are never allocated whole; where something does
+        (the model returns them), the loss reads them a piece at a time, and autograd keeps
+        no copy of them. Returns whether it rewrote."""
         chain = [x]  # from the loss's input back to the linear
         while _is_view_or_float(chain[-1]) and len(chain[-1].users) == 1:
             chain.append(chain[-1].args[0])
@@ -768,17 +786,35 @@ class _Rewriter:
             or a["reduction"] not in ("mean", "sum")
             or m is None
             or m[1]["bias"] is not None
-            or len(lin.users) != 1
             or _tensor(m[1]["input"]) is None
         ):
             return False
         args = (m[1]["input"], m[1]["weight"], target, a["ignore_index"], a["reduction"])
-        new = self._substitute(
-            node, linear_cross_entropy, (*args, a["label_smoothing"]), erase=chain
-        )
         pattern = ["linear", *(_name(n) for n in reversed(chain[:-1])), "cross_entropy"]
+        kwargs = {}
+        if len(lin.users) > 1:  # the logits live on: the loss reads them, the linear stays
+            if not self._reading_logits_pays(lin, m[1]["weight"]):
+                return False
+            kwargs["logits"], chain = lin, chain[:-1]
+        new = self._substitute(
+            node, linear_cross_entropy, (*args, a["label_smoothing"]), kwargs, erase=chain
+        )
         self._site(linear_cross_entropy, pattern, new, lin)
         return True
+
+    def _reading_logits_pays(self, lin, weight) -> bool:
+        """Whether linear_cross_entropy reading logits that live on (rows x V) keeps less than
+        cross_entropy_ over a copy of them, which autograd keeps until the backward: it keeps
+        h's gradient and one piece of logits from the forward on, and the weight's gradient
+        (V x H), which the copy's backward allocates while the copy lives."""
+        out, w = _tensor(lin), _tensor(weight)
+        if out is None or w is None or w.dim() != 2:
+            return False
+        if not w.requires_grad:
+            return True
+        rows, (vocab, hidden), size = math.prod(out.shape[:-1]), w.shape, out.element_size()
+        kept = (vocab + rows) * hidden * size + ops.get_workspace_limit()
+        return self.constants.holds(rows * vocab * size > kept)
 
     def _insert(self, before: fx.Node, target, args, value, kwargs=None) -> fx.Node:
         """A new node computing `target(*args, **kwargs)` (a method, if a string) before
