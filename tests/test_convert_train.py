@@ -355,6 +355,39 @@ def test_gradients_over_the_inputs(name, dtype):
         assert torch.equal(g, ref), f"grad #{i}"
 
 
+@pytest.mark.parametrize("name", list(_RECOMPUTING))
+def test_gradients_over_the_inputs_backward_twice_or_recorded(name):
+    """consume=True: a second backward through the graph (retain_graph) raises, as the
+    inputs it would read hold gradients now (autograd's version check); a recorded backward
+    (create_graph) keeps the inputs and its second-order gradients are the reference's
+    (linear_of_gelu: SiLU's backward, aten.silu_backward, has no derivative of its own)."""
+    ours, ref, n_inputs = _RECOMPUTING[name]
+    leaves = [
+        randn((2, 3 * D), torch.float64, "cpu", seed=i).requires_grad_() for i in range(n_inputs)
+    ]
+    params = []
+    if name != "silu_mul":
+        params = [
+            randn((D, 3 * D), torch.float64, "cpu", seed=8),
+            randn((D,), torch.float64, "cpu", seed=9),
+        ]
+        params = [p.requires_grad_() for p in params]
+    out = ours(*[leaf * 1 for leaf in leaves], *params, consume=True)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+    if name != "linear_of_gelu":
+        return
+    second = []
+    for fn, kwargs in ((ours, {"consume": True}), (ref, {})):
+        out = fn(*[leaf * 1 for leaf in leaves], *params, **kwargs)
+        grads = torch.autograd.grad(out.pow(2).sum(), leaves, create_graph=True)
+        second.append(torch.autograd.grad(sum(g.pow(2).sum() for g in grads), leaves))
+    for g, r in zip(*second):
+        torch.testing.assert_close(g, r)
+
+
 class GateReadLater(nn.Module):
     """A SwiGLU MLP whose gate projection is read again after the activation (`late`) or saved
     by another op (`saved`): its backward may not write over it."""

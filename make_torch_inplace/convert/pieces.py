@@ -159,10 +159,11 @@ def _silu_mul_grads_over(grad, g, u):
 
 
 def _can_write_over(grad, inputs) -> bool:
-    """The inputs can hold their gradients: plain tensors (not a subclass such as DTensor,
-    whose local memory this does not see), contiguous, of grad's shape and dtype, and
-    sharing no memory with each other."""
-    return all(
+    """The inputs can hold their gradients: not a backward that autograd records
+    (create_graph), plain tensors (not a subclass such as DTensor, whose local memory this
+    does not see), contiguous, of grad's shape and dtype, and sharing no memory with each
+    other."""
+    return not torch.is_grad_enabled() and all(
         type(t) is torch.Tensor
         and t.is_contiguous()
         and t.shape == grad.shape
