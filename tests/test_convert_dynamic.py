@@ -197,10 +197,11 @@ class SplitAttention(nn.Module):
 
 @pytest.mark.parametrize("mask_fn", [_causal, _additive_causal, _keeps_all, _sliding_window])
 def test_a_mask_made_across_a_graph_break_is_checked_once_per_call(mask_fn, monkeypatch):
-    """The layers' graphs read the mask as an input: what it keeps is read from its values,
-    once per mask (not per layer), and SDPA runs with is_causal=True (or no mask) where the
-    mask keeps exactly j <= i (or everything); a sliding window, causal only up to length 3,
-    is applied as it is beyond. Each length gets the path of its own mask."""
+    """The layers' graphs read the mask as an input: what a bool mask keeps is read from its
+    values, once per mask (not per layer), and SDPA runs with is_causal=True (or no mask)
+    where it keeps exactly j <= i (or everything); a sliding window, causal only up to length
+    3, is applied as it is beyond. Each length gets the path of its own mask. A float input
+    is never read (it may be anything): an additive mask stays."""
     constants = importlib.import_module("make_torch_inplace.convert.constants")
     checked = []
 
@@ -221,10 +222,13 @@ def test_a_mask_made_across_a_graph_break_is_checked_once_per_call(mask_fn, monk
             expected = model(x)
             checked.clear()
             assert_accurate(converted(x), expected, ref64)
-            # the call's one mask, checked once
-            assert [shape[-2:] for shape in checked] == [(t, t)], (t, checked)
-    ops = {s.op for s in sites_of(converted)}
+            # the call's one bool mask, checked once
+            expected_checks = [] if mask_fn is _additive_causal else [(t, t)]
+            assert [shape[-2:] for shape in checked] == expected_checks, (t, checked)
+    ops = {s.op for s in sites_of(converted) if s.op.startswith("scaled")}
     if mask_fn is _keeps_all:
-        assert "scaled_dot_product_attention" in ops
+        assert ops == {"scaled_dot_product_attention"}
+    elif mask_fn is _additive_causal:
+        assert not ops
     else:  # a sliding window is causal at lengths 2 and 3
-        assert "scaled_dot_product_attention(is_causal=True)" in ops
+        assert ops == {"scaled_dot_product_attention(is_causal=True)"}

@@ -188,7 +188,7 @@ class _Recipe:
         self.uses_keys = any(index is not None for _, index, *_ in steps)
 
     def evaluate(self, sizes: tuple):
-        """The value for these sizes (and input masks: _Kept), computed on the CPU."""
+        """The value for these sizes (and bool input masks: _Kept), computed on the CPU."""
         env = {}
         for node, index, op, target, args, kwargs in self._steps:
             if index is not None:
@@ -208,32 +208,25 @@ class _Recipe:
 
 
 class _Kept:
-    """What an input mask of a graph keeps, checked on its values (checked_mask): "all" or
-    "causal", for its shape and dtype. Equal for equal answers, so a graph keys its rewrites
-    on it as on sizes; evaluate() gives a CPU tensor keeping the same elements, from which
-    the graph's mask steps are computed as from a mask of sizes."""
+    """What a bool input mask of a graph keeps, checked on its values (checked_mask): "all"
+    or "causal" elements, for its shape. Equal for equal answers, so a graph keys its rewrites
+    on it as on sizes; evaluate() gives a CPU tensor equal to the mask, from which the graph's
+    mask steps are computed as from a mask of sizes."""
 
-    __slots__ = ("dtype", "kind", "shape")
+    __slots__ = ("kind", "shape")
 
-    def __init__(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.kind, self.shape, self.dtype = kind, shape, dtype
+    def __init__(self, kind: str, shape: tuple[int, ...]) -> None:
+        self.kind, self.shape = kind, shape
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, _Kept) and (self.kind, self.shape, self.dtype) == (
-            other.kind,
-            other.shape,
-            other.dtype,
-        )
+        return isinstance(other, _Kept) and (self.kind, self.shape) == (other.kind, other.shape)
 
     def __hash__(self) -> int:
-        return hash((self.kind, self.shape, self.dtype))
+        return hash((self.kind, self.shape))
 
     def evaluate(self) -> torch.Tensor:
         keep = torch.ones(self.shape[-2:], dtype=torch.bool)
-        keep = (keep.tril() if self.kind == "causal" else keep).expand(self.shape)
-        if self.dtype == torch.bool:
-            return keep
-        return torch.zeros((), dtype=self.dtype).masked_fill(~keep, torch.finfo(self.dtype).min)
+        return (keep.tril() if self.kind == "causal" else keep).expand(self.shape)
 
 
 # Each input mask checked so far (checked_mask), by tensor, with its version counter then.
@@ -242,7 +235,7 @@ _CHECKED = _compat.tensor_memo()
 
 
 def checked_mask(t: torch.Tensor) -> _Kept | None:
-    """What the attention mask t keeps ("all" or "causal" elements: _Kept), None for
+    """What the bool attention mask t keeps ("all" or "causal" elements: _Kept), None for
     anything else. Where Dynamo splits a forward into graphs (FSDP2's hooks are graph
     breaks), a mask computed in one graph, or in eager code between graphs, is an input of
     the graphs of the layers that read it: their rewrites then depend on its values, read
@@ -255,10 +248,10 @@ def checked_mask(t: torch.Tensor) -> _Kept | None:
         return hit[0]
     real = _compat.real_tensors()
     kind = None
-    if real is not None and t.dim() >= 2 and not t.requires_grad:
+    if real is not None and t.dtype == torch.bool and t.dim() >= 2:
         with real, torch.no_grad():
             kind = _classify(t, tuple(t.shape), added=False)
-    kept = None if kind is None else _Kept(kind, tuple(t.shape), t.dtype)
+    kept = None if kind is None else _Kept(kind, tuple(t.shape))
     if memo is not None:
         memo[t] = (kept, version)
     return kept

@@ -234,15 +234,16 @@ def _unwritten(graph: fx.Graph, nodes: list[fx.Node]) -> bool:
 
 
 def mask_inputs(graph: fx.Graph) -> tuple[int, ...]:
-    """Positions among the graph's inputs of the tensors that scaled_dot_product_attention
+    """Positions among the graph's inputs of the bool tensors that scaled_dot_product_attention
     reads as its mask, directly or through ops of sizes (a slice): masks made outside the
-    graph, which _fold_sdpa_mask folds where their values (constants.checked_mask) allow."""
+    graph, which _fold_sdpa_mask folds where their values (constants.checked_mask) allow.
+    Bool alone: what checked_mask finds then stands for the tensor exactly, whatever ops
+    follow; a float input may be anything (a bias, the activations)."""
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     candidates = {}
     for i, node in enumerate(placeholders):
         t = node.meta.get("example_value")
-        is_mask = isinstance(t, torch.Tensor) and not t.requires_grad and t.dim() >= 2
-        if is_mask and (t.dtype == torch.bool or t.is_floating_point()):
+        if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.dim() >= 2:
             candidates[node] = i
     if not candidates:
         return ()
