@@ -14,9 +14,9 @@ rank's outcome, and a variant that failed anywhere goes no further.
 
 Fields of each record (pass "fsdp2_step", world_size 2):
 - loss: the 3rd step's loss from fresh weights, the mean over ranks;
-- peak_extra_bytes (CUDA): max_memory_allocated during one step, above what was allocated
-  before it (sharded weights and optimizer state: three steps ran before), the max over
-  ranks; None on the CPU;
+- peak_extra_bytes: the peak allocated during one step, above what was allocated before it
+  (sharded weights and optimizer state: three steps ran before), the max over ranks; CUDA:
+  max_memory_allocated; CPU: the profiler's allocation events (common.peak_extra_bytes);
 - step_ms: the variants' steps timed in turns (common.time_alternating, --steps turns),
   place_median per rank, the max over ranks.
 
@@ -168,7 +168,7 @@ def make_batch(seq: int, size: Size, device) -> dict:
 
 def run_case(seq: int, args, size: Size, mesh, device, dtype, env: dict) -> list[dict]:
     """Every variant at one length, on this rank: builds and trains each LOSS_STEP steps, then
-    measures each one's peak (CUDA), then times them all in turns. Returns the records (the
+    measures each one's peak, then times them all in turns. Returns the records (the
     same on every rank: every measurement is reduced over ranks)."""
     batch = make_batch(seq, size, device)
     recs = {
@@ -209,16 +209,16 @@ def run_case(seq: int, args, size: Size, mesh, device, dtype, env: dict) -> list
                 _free(device)
     for v in runs:
         runs[v].unconverted = 0
-    if device.type == "cuda":
-        for v, run in list(runs.items()):
-            step = functools.partial(run.step, batch)
-            ok, peak = _everywhere(recs[v], "peak", functools.partial(peak_extra_bytes, step))
-            if ok:
-                recs[v]["peak_extra_bytes"] = max(_gather(peak))
-            else:
-                del runs[v]
-            del run, step
-            _free(device)
+    for v, run in list(runs.items()):
+        step = functools.partial(run.step, batch)
+        measure = functools.partial(peak_extra_bytes, step, device=device)
+        ok, peak = _everywhere(recs[v], "peak", measure)
+        if ok:
+            recs[v]["peak_extra_bytes"] = max(_gather(peak))
+        else:
+            del runs[v]
+        del run, step, measure
+        _free(device)
     names = list(runs)
     fns = [functools.partial(runs[v].step, batch) for v in names]
     timing = functools.partial(

@@ -52,10 +52,7 @@ def test_variant_trains(records, variant):
     assert r["unconverted_steps"] == 0
     # Random weights over a vocabulary of 256: the loss starts near log(256) = 5.5.
     assert 3.0 < r["loss"] < 8.0
-    if r["dtype"] == "float32":  # gloo on the CPU
-        assert r["peak_extra_bytes"] is None  # measured on CUDA only
-    else:  # NCCL on two GPUs, bf16
-        assert r["peak_extra_bytes"] > 0
+    assert r["peak_extra_bytes"] > 0  # CUDA's allocator, or the CPU profiler's events
 
 
 @pytest.mark.parametrize("variant", ["convert", "convert-nologits"])

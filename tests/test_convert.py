@@ -302,9 +302,11 @@ class MaskedAttention(nn.Module):
         self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
 
     def forward(self, x):
+        return self.attend(x, self.mask_fn(x.shape[1], x))
+
+    def attend(self, x, mask):
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4).unbind(0)
-        mask = self.mask_fn(t, x)
         if self.how == "sdpa":
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:

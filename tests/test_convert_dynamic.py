@@ -12,7 +12,15 @@ from convert_helpers import HEADS, D, count_captures, sites_of
 from helpers import assert_accurate, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_convert import MaskedAttention, _sliding_window
+from test_convert import (
+    MaskedAttention,
+    _additive_causal,
+    _causal,
+    _keeps_all,
+    _sliding_window,
+)
+from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 import make_torch_inplace as mti
 
@@ -165,3 +173,62 @@ def test_masks_are_evaluated_once_per_sizes(monkeypatch):
             counts.append(len(evaluated))
     # for length 7, then for length 8 alone
     assert counts[0] == counts[1] < counts[2] == counts[3] == counts[4] == counts[5]
+
+
+# A call Dynamo does not trace, as FSDP2's hooks around each sharded module: a graph break.
+_opaque = torch._dynamo.disable(lambda t: t)
+
+
+class SplitAttention(nn.Module):
+    """Two attention layers (MaskedAttention, SDPA) reading one mask, each in a graph of its
+    own: the mask is made, and each layer called, across a graph break."""
+
+    def __init__(self, mask_fn):
+        super().__init__()
+        self.mask_fn = mask_fn
+        self.layers = nn.ModuleList([MaskedAttention(None, "sdpa") for _ in range(2)])
+
+    def forward(self, x):
+        mask = _opaque(self.mask_fn(x.shape[1], x))
+        x = x + self.layers[0].attend(x, mask)
+        x = _opaque(x)
+        return x + self.layers[1].attend(x, mask)
+
+
+@pytest.mark.parametrize("mask_fn", [_causal, _additive_causal, _keeps_all, _sliding_window])
+def test_a_mask_made_across_a_graph_break_is_checked_once_per_call(mask_fn, monkeypatch):
+    """The layers' graphs read the mask as an input: what a bool mask keeps is read from its
+    values, once per mask (not per layer), and SDPA runs with is_causal=True (or no mask)
+    where it keeps exactly j <= i (or everything); a sliding window, causal only up to length
+    3, is applied as it is beyond. Each length gets the path of its own mask. A float input
+    is never read (it may be anything): an additive mask stays."""
+    constants = importlib.import_module("make_torch_inplace.convert.constants")
+    checked = []
+
+    class Recording(WeakTensorKeyDictionary):
+        def __setitem__(self, t, value):
+            checked.append(t.shape)
+            super().__setitem__(t, value)
+
+    monkeypatch.setattr(constants, "_CHECKED", Recording())
+    torch.manual_seed(0)
+    model = SplitAttention(mask_fn).eval()
+    model64 = copy.deepcopy(model).double()
+    converted = mti.convert(model)
+    with torch.no_grad():
+        for t in (2, 3, 5, 8, 5):
+            x = randn((2, t, D), torch.float32, "cpu", seed=t)
+            ref64 = model64(x.double())
+            expected = model(x)
+            checked.clear()
+            assert_accurate(converted(x), expected, ref64)
+            # the call's one bool mask, checked once
+            expected_checks = [] if mask_fn is _additive_causal else [(t, t)]
+            assert [shape[-2:] for shape in checked] == expected_checks, (t, checked)
+    ops = {s.op for s in sites_of(converted) if s.op.startswith("scaled")}
+    if mask_fn is _keeps_all:
+        assert ops == {"scaled_dot_product_attention"}
+    elif mask_fn is _additive_causal:
+        assert not ops
+    else:  # a sliding window is causal at lengths 2 and 3
+        assert ops == {"scaled_dot_product_attention(is_causal=True)"}

@@ -226,6 +226,27 @@ def test_returned_logits_are_read_a_piece_at_a_time(head):
     assert site.pattern == "linear -> float -> view -> cross_entropy"
 
 
+def test_causal_lm_without_its_logits_across_graph_breaks():
+    """Forward pre-hooks Dynamo does not trace, on the model and on each layer (as FSDP2's
+    fully_shard puts there), split the converted forward into graphs; the logits are still
+    dropped in the graph that computes them (linear_cross_entropy), and the causal mask that
+    transformers makes without a cache, which the layers' graphs read as an input, still
+    lets SDPA run with is_causal=True."""
+    model = _llama(torch.float32)
+    model.config.use_cache = False
+    hook = torch._dynamo.disable(lambda module, args: None)
+    for module in (model, *model.model.layers):
+        module.register_forward_pre_hook(hook)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    converted = check_training(
+        model, (ids,), lambda out: out.loss, {"drop_outputs": ("logits",)}, labels=ids
+    )
+    assert max(converted._captured.values()) > 1  # the forward ran as several graphs
+    assert converted(ids, labels=ids).logits is None
+    ops = ops_of(converted)
+    assert {"linear_cross_entropy", "scaled_dot_product_attention(is_causal=True)"} <= set(ops)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_cross_entropy(dtype, reduction):
@@ -249,6 +270,28 @@ def test_linear_cross_entropy(dtype, reduction):
     assert_accurate(loss.detach(), loss_t.detach(), loss64.detach(), "loss")
     for i, (g, t, r) in enumerate(zip(grads, grads_t, grads64)):
         assert_accurate(g, t, r, f"grad #{i}")
+
+
+@pytest.mark.parametrize("drop", [(), ("logits",)])
+def test_state_dict_holds_each_parameter_once(drop):
+    """The converted module's state_dict is the model's, under `module.`: what its calls run
+    (the model, or the view dropping outputs) is not a submodule of its own."""
+    model = _llama(torch.float32)
+    converted = mti.convert(model, drop_outputs=drop)
+    assert list(converted.state_dict()) == [f"module.{k}" for k in model.state_dict()]
+
+
+def test_drop_outputs_of_a_model_holding_its_own_forward():
+    """A forward set on the instance would shadow the view's: the outputs are then dropped
+    around the model's call, which in one graph is as good."""
+    model = _llama(torch.float32)
+    model.forward = model.forward  # a bound method in the instance's __dict__
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    converted = mti.convert(model, drop_outputs=("logits",))
+    out = converted(ids, labels=ids)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, model(ids, labels=ids).loss)
+    assert "linear_cross_entropy" in ops_of(converted)
 
 
 def test_drop_outputs_needs_a_mapping():

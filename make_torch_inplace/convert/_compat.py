@@ -46,9 +46,23 @@ _LazyGraphModule = _resolve("torch.fx._lazy_graph_module", "_LazyGraphModule")
 # Dispatcher ops, whose schemas tell whether they return anything.
 _OpOverload = _resolve("torch._ops", "OpOverload")
 _OpOverloadPacket = _resolve("torch._ops", "OpOverloadPacket")
+# A dictionary keyed by tensors that holds them weakly: what each input mask keeps, remembered
+# per tensor (constants.checked_mask).
+_WeakTensorKeyDictionary = _resolve("torch.utils.weak", "WeakTensorKeyDictionary")
 # The in-place activations F.silu(inplace=True) calls; torch.ops.aten's add a Python-level
 # OpOverloadPacket call (a few microseconds) to every call of a rewritten graph.
 _nn_bindings = _resolve("torch._C", "_nn")
+
+
+def tensor_memo():
+    """A dictionary keyed by tensors that holds them weakly; None where this torch has none
+    (then nothing is remembered per tensor)."""
+    return None if _WeakTensorKeyDictionary is None else _WeakTensorKeyDictionary()
+
+
+def version(t: torch.Tensor) -> int | None:
+    """t's version counter, which every in-place write bumps; None where unknown."""
+    return getattr(t, "_version", None)
 
 
 def tree_leaves(tree) -> list:

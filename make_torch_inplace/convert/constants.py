@@ -119,16 +119,17 @@ class _Constants:
     for which every query gives the same answer (see runtime._SizeClasses).
     """
 
-    def __init__(self, graph: fx.Graph, sizes: tuple[int, ...] | None = None) -> None:
-        placeholders = _size_placeholders(graph)
+    def __init__(self, graph: fx.Graph, sizes: tuple | None = None, masks: tuple = ()) -> None:
+        placeholders = _key_placeholders(graph, masks)
         if sizes is None:
             sizes = tuple(_compat.size_hint(node.meta["example_value"]) for _, node in placeholders)
         self.sizes = sizes
-        # Each size placeholder's index in `sizes`, and the sympy symbol it stands for.
+        # Each key placeholder's index in `sizes`, and the sympy symbol each size stands for.
         self._index = {node: i for i, (_, node) in enumerate(placeholders)}
         self._symbols = {
             _compat.size_expr(node.meta["example_value"]): i
             for i, (_, node) in enumerate(placeholders)
+            if isinstance(node.meta.get("example_value"), torch.SymInt)
         }
         self.nodes: set[fx.Node] = set(self._index)
         for node in graph.nodes:
@@ -170,45 +171,29 @@ class _Constants:
                 self.nodes.discard(node)
 
 
-class _MaskQuery:
-    """What one mask keeps, as a function of the sizes: the steps that compute the mask from
-    constants and size placeholders (copied, so the graph may change afterwards), and the
-    shape of the scores it is broadcast to."""
+class _Recipe:
+    """How to compute one value of a graph from sizes alone, as a function of them: the steps
+    from constants and key placeholders to it (copied, so the graph may change afterwards)."""
 
-    def __init__(self, mask: fx.Node, shape, added: bool, constants: _Constants) -> None:
-        needed = {mask}
+    def __init__(self, value: fx.Node, constants: _Constants) -> None:
+        needed = {value}
         steps = []
-        for node in reversed(mask.graph.nodes):  # the mask's ancestors, in graph order
+        for node in reversed(value.graph.nodes):  # the value's ancestors, in graph order
             if node in needed:
                 needed.update(node.all_input_nodes)
                 index = constants._index.get(node)
                 steps.append((node, index, node.op, node.target, node.args, node.kwargs))
         self._steps = steps[::-1]
-        self._mask = mask
-        self._added = added
-        self._shape = tuple(shape)
-        self._symbols = constants._symbols
-        self.uses_sizes = any(index is not None for _, index, *_ in steps) or not all(
-            isinstance(s, int) for s in self._shape
-        )
+        self._value = value
+        self.uses_keys = any(index is not None for _, index, *_ in steps)
 
-    def kind(self, sizes: tuple[int, ...]) -> str | None:
-        shape = tuple(_compat.evaluate_size(s, _values(self._symbols, sizes)) for s in self._shape)
-        real = _compat.real_tensors()
-        if real is None or None in shape or None in sizes:  # no real tensors, or sizes unknown
-            return None
-        with real, torch.no_grad():
-            try:
-                return _classify(self._evaluate(sizes), shape, self._added)
-            except (RuntimeError, TypeError, ValueError, IndexError):
-                return None  # an unusual argument: unknown
-
-    def _evaluate(self, sizes: tuple[int, ...]):
-        """The mask's value for these sizes, computed on the CPU."""
+    def evaluate(self, sizes: tuple):
+        """The value for these sizes (and bool input masks: _Kept), computed on the CPU."""
         env = {}
         for node, index, op, target, args, kwargs in self._steps:
             if index is not None:
-                env[node] = sizes[index]
+                key = sizes[index]
+                env[node] = key.evaluate() if isinstance(key, _Kept) else key
                 continue
             args, kwargs = fx.node.map_arg((args, kwargs), env.__getitem__)
             args, kwargs = _on_cpu(args), {k: _on_cpu(v, k) for k, v in kwargs.items()}
@@ -219,7 +204,80 @@ class _MaskQuery:
                 if target == "to":  # .to("cuda"): a device given as a string
                     rest = [_on_cpu(a, "device") if isinstance(a, str) else a for a in rest]
                 env[node] = getattr(self_arg, target)(*rest, **kwargs)
-        return env[self._mask]
+        return env[self._value]
+
+
+class _Kept:
+    """What a bool input mask of a graph keeps, checked on its values (checked_mask): "all"
+    or "causal" elements, for its shape. Equal for equal answers, so a graph keys its rewrites
+    on it as on sizes; evaluate() gives a CPU tensor equal to the mask, from which the graph's
+    mask steps are computed as from a mask of sizes."""
+
+    __slots__ = ("kind", "shape")
+
+    def __init__(self, kind: str, shape: tuple[int, ...]) -> None:
+        self.kind, self.shape = kind, shape
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Kept) and (self.kind, self.shape) == (other.kind, other.shape)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.shape))
+
+    def evaluate(self) -> torch.Tensor:
+        keep = torch.ones(self.shape[-2:], dtype=torch.bool)
+        return (keep.tril() if self.kind == "causal" else keep).expand(self.shape)
+
+
+# Each input mask checked so far (checked_mask), by tensor, with its version counter then.
+# Weak: an entry leaves with its tensor.
+_CHECKED = _compat.tensor_memo()
+
+
+def checked_mask(t: torch.Tensor) -> _Kept | None:
+    """What the bool attention mask t keeps ("all" or "causal" elements: _Kept), None for
+    anything else. Where Dynamo splits a forward into graphs (FSDP2's hooks are graph
+    breaks), a mask computed in one graph, or in eager code between graphs, is an input of
+    the graphs of the layers that read it: their rewrites then depend on its values, read
+    here once per tensor (on its device: a sync with the host), not once per layer. A
+    tensor written since it was checked is checked again."""
+    version = _compat.version(t)
+    memo = _CHECKED if version is not None else None
+    hit = memo.get(t) if memo is not None else None
+    if hit is not None and hit[1] == version:
+        return hit[0]
+    real = _compat.real_tensors()
+    kind = None
+    if real is not None and t.dtype == torch.bool and t.dim() >= 2:
+        with real, torch.no_grad():
+            kind = _classify(t, tuple(t.shape), added=False)
+    kept = None if kind is None else _Kept(kind, tuple(t.shape))
+    if memo is not None:
+        memo[t] = (kept, version)
+    return kept
+
+
+class _MaskQuery:
+    """What one mask keeps, as a function of the sizes: how the mask is computed (_Recipe)
+    and the shape of the scores it is broadcast to."""
+
+    def __init__(self, mask: fx.Node, shape, added: bool, constants: _Constants) -> None:
+        self._recipe = _Recipe(mask, constants)
+        self._added = added
+        self._shape = tuple(shape)
+        self._symbols = constants._symbols
+        self.uses_sizes = self._recipe.uses_keys or not all(isinstance(s, int) for s in self._shape)
+
+    def kind(self, sizes: tuple) -> str | None:
+        shape = tuple(_compat.evaluate_size(s, _values(self._symbols, sizes)) for s in self._shape)
+        real = _compat.real_tensors()
+        if real is None or None in shape or None in sizes:  # no real tensors, or sizes unknown
+            return None
+        with real, torch.no_grad():
+            try:
+                return _classify(self._recipe.evaluate(sizes), shape, self._added)
+            except (RuntimeError, TypeError, ValueError, IndexError):
+                return None  # an unusual argument: unknown
 
 
 class _SizeQuery:
@@ -281,6 +339,13 @@ def _size_placeholders(graph: fx.Graph) -> list[tuple[int, fx.Node]]:
         for i, node in enumerate(placeholders)
         if isinstance(node.meta.get("example_value"), torch.SymInt)
     ]
+
+
+def _key_placeholders(graph: fx.Graph, masks: tuple = ()) -> list[tuple[int, fx.Node]]:
+    """The placeholders a graph's rewrites may depend on: its dynamic sizes, then the inputs
+    at positions `masks` (attention masks, whose values checked_mask reads)."""
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    return _size_placeholders(graph) + [(i, placeholders[i]) for i in masks]
 
 
 def _hashable_in(target, collection) -> bool:

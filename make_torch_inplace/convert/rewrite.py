@@ -234,6 +234,37 @@ def _unwritten(graph: fx.Graph, nodes: list[fx.Node]) -> bool:
     ) and not any(_may_write(n) for n in sharing)
 
 
+def mask_inputs(graph: fx.Graph) -> tuple[int, ...]:
+    """Positions among the graph's inputs of the bool tensors that scaled_dot_product_attention
+    reads as its mask, directly or through ops of sizes (a slice): masks made outside the
+    graph, which _fold_sdpa_mask folds where their values (constants.checked_mask) allow.
+    Bool alone: what checked_mask finds then stands for the tensor exactly, whatever ops
+    follow; a float input may be anything (a bias, the activations)."""
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    candidates = {}
+    for i, node in enumerate(placeholders):
+        t = node.meta.get("example_value")
+        if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.dim() >= 2:
+            candidates[node] = i
+    if not candidates:
+        return ()
+    constants = _Constants(graph, masks=tuple(candidates.values()))
+    found = set()
+    for node in graph.nodes:
+        m = _match(node, ("sdpa",))
+        mask = m[1]["attn_mask"] if m is not None else None
+        if not isinstance(mask, fx.Node) or mask not in constants.nodes:
+            continue
+        needed, seen = [mask], set()
+        while needed:
+            n = needed.pop()
+            if n not in seen:
+                seen.add(n)
+                needed.extend(n.all_input_nodes)
+        found.update(candidates[n] for n in seen if n in candidates)
+    return tuple(sorted(found))
+
+
 def _fold_sdpa_mask(node: fx.Node, constants: _Constants) -> Site | None:
     """scaled_dot_product_attention with a constant mask that keeps everything -> no mask;
     one that keeps exactly j <= i (square scores) -> is_causal=True, as eager mode does."""
@@ -261,7 +292,7 @@ def _fold_sdpa_mask(node: fx.Node, constants: _Constants) -> Site | None:
         where=_where(node),
         shape=tuple(_hint(s) for s in value.shape),
         dtype=value.dtype,
-        nbytes=value.untyped_storage().nbytes(),
+        nbytes=_hint(value.untyped_storage().nbytes()),
     )
 
 

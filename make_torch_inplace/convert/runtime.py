@@ -12,7 +12,7 @@ import torch
 from torch import fx, nn
 
 from . import _compat, rewrite
-from .constants import _Constants, _size_placeholders
+from .constants import _Constants, _size_placeholders, checked_mask
 from .report import GraphReport, Site
 
 # Dynamo keeps compiled graphs per code object, shared by every instance of a model class, and
@@ -36,12 +36,17 @@ _RECOMPILE_LIMIT = 64
 #   torch._dynamo.disable even with no profiler attached, ~5 us of host time a call (CPU).
 #   Dynamo reads it when it generates the region's bytecode, at capture; off, profiler traces
 #   lose that one range.
+# - nested graph breaks: where a call Dynamo does not trace breaks the graph inside nested
+#   frames (FSDP2's hooks around each sharded module), the graph after it continues the
+#   callers' frames too, instead of each caller's rest becoming a graph of its own: a causal
+#   LM's logits and its output mapping (drop_outputs) then meet in one graph.
 _CAPTURE_CONFIG = {
     "recompile_limit": _RECOMPILE_LIMIT,
     "automatic_dynamic_shapes": True,
     "assume_static_by_default": True,
     "specialize_float": True,
     "record_runtime_overhead": False,
+    "nested_graph_breaks": True,
 }
 
 # Static shapes, one capture per input shape, where this torch cannot prove conditions on
@@ -71,13 +76,18 @@ class ConvertedModule(nn.Module):
         # module's graphs that call ran (one, or more where Dynamo split the forward), or
         # _THROUGH_COMPILE.
         self._captured: dict[tuple, int] = {}
+        # What the calls run: the model, or a view of it (_without). Set past
+        # nn.Module.__setattr__, which would register it as a submodule: its parameters would
+        # appear twice in state_dict().
+        call = _without(module, tuple(drop_outputs)) if drop_outputs else module
+        object.__setattr__(self, "_call", call)
         # A bound method, not the OptimizedModule torch.compile(module) would return, so the
         # parameters are registered once (under self.module). Dynamic shapes come from
         # _CAPTURE_CONFIG, not dynamic=True, which would patch Dynamo's config around every
         # call (see forward).
-        self._call = _without(module, tuple(drop_outputs)) if drop_outputs else module
         self._compiled_call = torch.compile(
-            module.__call__ if self._call is module else self._call, backend=self._backend
+            self._call.__call__ if isinstance(self._call, nn.Module) else self._call,
+            backend=self._backend,
         )
         # The model as its own methods see it when called through this module (see
         # __getattr__); set past nn.Module.__setattr__, which would register it as a submodule.
@@ -181,13 +191,22 @@ class _Backend:
         self.graph_calls = 0  # calls of the graphs it returned, which ConvertedModule reads
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
+        # Attention masks that the graph reads as inputs (Dynamo split the forward where they
+        # were made: FSDP2's hooks are graph breaks) count as sizes: what they keep.
+        masks = rewrite.mask_inputs(gm.graph)
         # The graph as captured, for rewriting again for sizes whose masks differ.
-        original = _copy_graph(gm.graph) if _size_placeholders(gm.graph) else None
-        constants = _Constants(gm.graph)
+        original = _copy_graph(gm.graph) if _size_placeholders(gm.graph) or masks else None
+        sizes = None
+        if masks:
+            hints = [
+                _compat.size_hint(n.meta["example_value"]) for _, n in _size_placeholders(gm.graph)
+            ]
+            sizes = (*hints, *[checked_mask(example_inputs[i]) for i in masks])
+        constants = _Constants(gm.graph, sizes, masks)
         forward = self.rewrite(gm, constants)
         if not constants.queries:  # nothing it did depends on the sizes
             return self.counted(forward)
-        return self.counted(_SizeClasses(self, gm, original, constants, forward))
+        return self.counted(_SizeClasses(self, gm, original, constants, forward, masks))
 
     def rewrite(self, gm: fx.GraphModule, constants: _Constants) -> Callable:
         """gm rewritten in place, for the sizes `constants` evaluates masks for; its forward."""
@@ -217,16 +236,17 @@ class _SizeClasses:
 
     _MAX_SIZES = 4096  # past this many remembered size tuples, they are forgotten
 
-    def __init__(self, backend, gm, original: fx.Graph, constants: _Constants, forward) -> None:
+    def __init__(self, backend, gm, original, constants, forward, masks=()) -> None:
         self._backend = backend
         self._root = gm  # holds the attributes the graph's get_attr nodes read
         self._original = original
         self._positions = [i for i, _ in _size_placeholders(original)]
+        self._masks = masks  # positions of the input masks (rewrite.mask_inputs)
         self._rewrites = [(constants.queries, forward)]
         self._by_sizes = {constants.sizes: forward}
 
     def __call__(self, *args):
-        sizes = tuple([args[i] for i in self._positions])
+        sizes = _keys(args, self._positions, self._masks)
         forward = self._by_sizes.get(sizes)
         if forward is None:
             forward = self._for_new_sizes(sizes)
@@ -237,7 +257,7 @@ class _SizeClasses:
         forward = next(fits, None)
         if forward is None:
             gm = fx.GraphModule(self._root, _copy_graph(self._original))
-            constants = _Constants(gm.graph, sizes)
+            constants = _Constants(gm.graph, sizes, self._masks)
             forward = self._backend.rewrite(gm, constants)
             self._rewrites.append((constants.queries, forward))
         if len(self._by_sizes) >= self._MAX_SIZES:
@@ -246,14 +266,28 @@ class _SizeClasses:
         return forward
 
 
+def _keys(args, positions: list[int], masks: tuple[int, ...]) -> tuple:
+    """What a graph's rewrites depend on in a call: its dynamic sizes, then what its input
+    masks keep (constants.checked_mask)."""
+    sizes = tuple([args[i] for i in positions])
+    return sizes + tuple([checked_mask(args[i]) for i in masks]) if masks else sizes
+
+
 def _without(module: nn.Module, names: tuple[str, ...]) -> Callable:
     """module's calls, with the outputs `names` of its result (a mapping: a transformers
     ModelOutput, a dict) set to None: the graph then does not return them, so they are dead
-    where the rewriter looks (a causal LM's logits, where only the loss is wanted). A closure,
-    not an object holding the module: the report's module paths stay the model's own."""
+    where the rewriter looks (a causal LM's logits, where only the loss is wanted).
 
-    def call(*args, **kwargs):
-        out = module(*args, **kwargs)
+    The outputs are dropped inside the module's call, by its forward, not around the call:
+    where Dynamo splits the forward into graphs (FSDP2's hooks around a sharded module are
+    graph breaks), the graph computing the logits is then the one that drops them, and the
+    module's forward hooks get the result without them. A view of the module, as _calling
+    makes, whose class overrides forward alone; the report's module paths stay the model's
+    own. Where the instance holds a forward of its own (which would shadow the view's), a
+    closure around the call instead."""
+    cls = type(module)
+
+    def drop(out):
         if not isinstance(out, dict):
             raise TypeError(
                 f"convert: drop_outputs needs a model returning a mapping (a transformers "
@@ -261,7 +295,20 @@ def _without(module: nn.Module, names: tuple[str, ...]) -> Callable:
             )
         return type(out)(**{k: (None if k in names else v) for k, v in out.items()})
 
-    return call
+    if "forward" in module.__dict__:
+
+        def call(*args, **kwargs):
+            return drop(module(*args, **kwargs))
+
+        return call
+
+    def forward(self, *args, **kwargs):
+        return drop(cls.forward(self, *args, **kwargs))
+
+    namespace = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    view = object.__new__(type(cls.__name__, (cls,), namespace))
+    view.__dict__ = module.__dict__
+    return view
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
