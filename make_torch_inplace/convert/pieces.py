@@ -163,13 +163,17 @@ def _can_write_over(grad, inputs) -> bool:
     (create_graph), plain tensors (not a subclass such as DTensor, whose local memory this
     does not see), contiguous, of grad's shape and dtype, and sharing no memory with each
     other."""
-    return not torch.is_grad_enabled() and all(
-        type(t) is torch.Tensor
-        and t.is_contiguous()
-        and t.shape == grad.shape
-        and t.dtype == grad.dtype
-        for t in inputs
-    ) and len({t.untyped_storage().data_ptr() for t in inputs}) == len(inputs)
+    return (
+        not torch.is_grad_enabled()
+        and all(
+            type(t) is torch.Tensor
+            and t.is_contiguous()
+            and t.shape == grad.shape
+            and t.dtype == grad.dtype
+            for t in inputs
+        )
+        and len({t.untyped_storage().data_ptr() for t in inputs}) == len(inputs)
+    )
 
 
 class _SiluMul(torch.autograd.Function):
