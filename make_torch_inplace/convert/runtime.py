@@ -13,6 +13,7 @@ from torch import fx, nn
 
 from . import _compat, rewrite
 from .constants import _Constants, _size_placeholders, checked_mask
+from .masks import mask_inputs
 from .report import GraphReport, Site
 
 # Dynamo keeps compiled graphs per code object, shared by every instance of a model class, and
@@ -193,7 +194,7 @@ class _Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         # Attention masks that the graph reads as inputs (Dynamo split the forward where they
         # were made: FSDP2's hooks are graph breaks) count as sizes: what they keep.
-        masks = rewrite.mask_inputs(gm.graph)
+        masks = mask_inputs(gm.graph)
         # The graph as captured, for rewriting again for sizes whose masks differ.
         original = _copy_graph(gm.graph) if _size_placeholders(gm.graph) or masks else None
         sizes = None
@@ -241,7 +242,7 @@ class _SizeClasses:
         self._root = gm  # holds the attributes the graph's get_attr nodes read
         self._original = original
         self._positions = [i for i, _ in _size_placeholders(original)]
-        self._masks = masks  # positions of the input masks (rewrite.mask_inputs)
+        self._masks = masks  # positions of the input masks (mask_inputs)
         self._rewrites = [(constants.queries, forward)]
         self._by_sizes = {constants.sizes: forward}
 
