@@ -61,10 +61,10 @@ from benchmarks.bench_train import (
     failure_reason,
     goal_line,
     liger_patch,
+    ratio_row,
 )
 from benchmarks.common import (
     env_info,
-    fmt_bytes,
     markdown_table,
     peak_extra_bytes,
     place_median,
@@ -267,20 +267,8 @@ def goals(records: list[dict]) -> list[str]:
 
 
 def report(records: list[dict]) -> None:
-    rows = []
-    for r in records:
-        base = next((b for b in records if b["seq"] == r["seq"] and b["variant"] == REFERENCE), {})
-        row = dict(
-            r, peak=None if r["peak_extra_bytes"] is None else fmt_bytes(r["peak_extra_bytes"])
-        )
-        for key, out in (("step_ms", "ms_ratio"), ("peak_extra_bytes", "peak_ratio")):
-            if r[key] is not None and base.get(key):
-                row[out] = r[key] / base[key]
-        if r["loss"] is not None and base.get("loss") is not None:
-            row["loss_diff"] = r["loss"] - base["loss"]
-        note = r["error"] or r["skipped"]
-        row["note"] = None if note is None else note.replace("|", "/")[:80]
-        rows.append(row)
+    reference = {r["seq"]: r for r in records if r["variant"] == REFERENCE}
+    rows = [ratio_row(r, reference.get(r["seq"], {}), "loss") for r in records]
     columns = ["model", "seq", "variant", "step_ms", "ms_ratio", "peak", "peak_ratio", "loss"]
     columns += ["loss_diff", "unconverted_steps", "note"]
     md = (

@@ -497,21 +497,27 @@ def table_rows(records: list[dict]) -> list[dict]:
     """Each record with its step time and peak as ratios to the sdpa model's, and its loss
     after loss_steps less sdpa's."""
     cases = _by_case(records)
-    rows = []
-    for r in records:
-        base = cases[(r["model"], r["seq"])].get(REFERENCE, {})
-        row = dict(r)
-        for key, out in (("peak_extra_bytes", "peak"), ("fwd_bwd_peak_bytes", "fwd_bwd_peak")):
-            row[out] = None if r.get(key) is None else fmt_bytes(r[key])
-        for key, out in (("step_ms", "ms_ratio"), ("peak_extra_bytes", "peak_ratio")):
-            if r[key] is not None and base.get(key):
-                row[out] = r[key] / base[key]
-        if r["loss_after_steps"] is not None and base.get("loss_after_steps") is not None:
-            row["loss_diff"] = r["loss_after_steps"] - base["loss_after_steps"]
-        note = r["error"] or r["skipped"]
-        row["note"] = None if note is None else note.replace("|", "/")[:80]
-        rows.append(row)
-    return rows
+    return [
+        ratio_row(r, cases[(r["model"], r["seq"])].get(REFERENCE, {}), "loss_after_steps")
+        for r in records
+    ]
+
+
+def ratio_row(r: dict, base: dict, loss: str) -> dict:
+    """A table row of record r: its peaks formatted, its step time and peak as ratios to
+    base's (the reference's record, {} when it has none), its `loss` field less base's as
+    loss_diff, and its error or skip as a note fit for a table cell."""
+    row = dict(r)
+    for key, out in (("peak_extra_bytes", "peak"), ("fwd_bwd_peak_bytes", "fwd_bwd_peak")):
+        row[out] = None if r.get(key) is None else fmt_bytes(r[key])
+    for key, out in (("step_ms", "ms_ratio"), ("peak_extra_bytes", "peak_ratio")):
+        if r[key] is not None and base.get(key):
+            row[out] = r[key] / base[key]
+    if r[loss] is not None and base.get(loss) is not None:
+        row["loss_diff"] = r[loss] - base[loss]
+    note = r["error"] or r["skipped"]
+    row["note"] = None if note is None else note.replace("|", "/")[:80]
+    return row
 
 
 def goals(records: list[dict]) -> list[str]:

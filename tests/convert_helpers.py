@@ -16,6 +16,42 @@ import make_torch_inplace as mti
 D, HEADS = 64, 4
 
 
+def tiny_hf_config(kind: str, attn: str, layers: int = 2):
+    """A transformers config of `layers` layers of width D: "gpt2", "bert" or "llama" (with
+    HEADS // 2 key/value heads), vocabulary 128, attention `attn`, no dropout."""
+    import transformers
+
+    common = dict(vocab_size=128, attn_implementation=attn)
+    if kind == "gpt2":
+        return transformers.GPT2Config(
+            n_layer=layers,
+            n_embd=D,
+            n_head=HEADS,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+            **common,
+        )
+    if kind == "bert":
+        return transformers.BertConfig(
+            num_hidden_layers=layers,
+            hidden_size=D,
+            intermediate_size=4 * D,
+            num_attention_heads=HEADS,
+            hidden_dropout_prob=0,
+            attention_probs_dropout_prob=0,
+            **common,
+        )
+    return transformers.LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=D,
+        intermediate_size=3 * D,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS // 2,
+        **common,
+    )
+
+
 class PreNormBlock(nn.Module):
     """x + attn(norm1(x)), then x + mlp(norm2(x)): x is read after each norm, so the norms
     must stay out of place; the attention scores and the projections are dead temporaries."""

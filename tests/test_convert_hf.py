@@ -7,7 +7,15 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from convert_helpers import HEADS, D, check_converted, ops_of, record_graphs, sites_of
+from convert_helpers import (
+    HEADS,
+    D,
+    check_converted,
+    ops_of,
+    record_graphs,
+    sites_of,
+    tiny_hf_config,
+)
 from helpers import DEVICES
 from torch import nn
 
@@ -37,31 +45,10 @@ def test_generate_and_config_of_a_converted_causal_lm():
 def _hf_model(kind, attn):
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    common = dict(vocab_size=128, attn_implementation=attn)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=D, n_head=HEADS, **common)
-        cls = transformers.GPT2Model
-    elif kind == "bert":
-        config = transformers.BertConfig(
-            num_hidden_layers=2,
-            hidden_size=D,
-            intermediate_size=4 * D,
-            num_attention_heads=HEADS,
-            **common,
-        )
-        cls = transformers.BertModel
-    else:
-        config = transformers.LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=D,
-            intermediate_size=3 * D,
-            num_attention_heads=HEADS,
-            num_key_value_heads=HEADS // 2,
-            **common,
-        )
-        cls = transformers.LlamaModel
+    config = tiny_hf_config(kind, attn)
+    cls = {"gpt2": "GPT2Model", "bert": "BertModel", "llama": "LlamaModel"}[kind]
     torch.manual_seed(0)
-    return cls(config).eval(), config
+    return getattr(transformers, cls)(config).eval(), config
 
 
 class _LastHiddenState(nn.Module):

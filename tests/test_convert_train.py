@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from convert_helpers import D, PreNormBlock, block_inputs, make_block, ops_of
+from convert_helpers import D, PreNormBlock, block_inputs, make_block, ops_of, tiny_hf_config
 from helpers import assert_accurate, randn
 from torch import nn
 
@@ -98,39 +98,16 @@ def test_frozen_square_weight_runs_in_place():
 
 
 def _llama(dtype, layers=2):
-    config = transformers.LlamaConfig(
-        num_hidden_layers=layers,
-        hidden_size=D,
-        intermediate_size=3 * D,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        attn_implementation="sdpa",
-    )
+    config = tiny_hf_config("llama", "sdpa", layers)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(dtype).train()
 
 
 def _hf_base(kind, attn):
-    common = dict(vocab_size=128, attn_implementation=attn)
     if kind == "llama":
         return _llama(torch.float32).model
-    if kind == "gpt2":
-        config = transformers.GPT2Config(
-            n_layer=2, n_embd=D, n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, **common
-        )
-        cls = transformers.GPT2Model
-    else:
-        config = transformers.BertConfig(
-            num_hidden_layers=2,
-            hidden_size=D,
-            intermediate_size=4 * D,
-            num_attention_heads=4,
-            hidden_dropout_prob=0,
-            attention_probs_dropout_prob=0,
-            **common,
-        )
-        cls = transformers.BertModel
+    cls = transformers.GPT2Model if kind == "gpt2" else transformers.BertModel
+    config = tiny_hf_config(kind, attn)
     torch.manual_seed(0)
     return cls(config).train()
 
