@@ -281,6 +281,14 @@ class _DTensorBuffers:
     (per-rank column sums), as DTensor's own norms give them."""
 
     @staticmethod
+    def rows_times(rows, w):
+        # Rows sharded on a dim other than the first cannot be flattened into one matrix
+        # without a gather (torch 2.11's DTensor): they are multiplied batched instead.
+        if rows.dim() > 2:
+            w = w.expand(*rows.shape[:-2], *w.shape)
+        return rows @ w
+
+    @staticmethod
     def not_wanted(like):
         return _local_buffer(like, (0, 0), like.dtype, Replicate())
 

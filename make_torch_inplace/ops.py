@@ -87,9 +87,13 @@ def _not_wanted(like: torch.Tensor) -> torch.Tensor:
 
 class _PlainBuffers:
     """The tensors an op writes besides x, for plain tensors: a norm's rstd, cross entropy's
-    per-row losses and their sum, a backward's gradients. A tensor subclass whose ops need
-    these as its own kind registers its maker in _BUFFERS (make_torch_inplace.distributed:
-    DTensor)."""
+    per-row losses and their sum, a backward's gradients (square_matmul_'s: rows_times). A
+    tensor subclass whose ops need these as its own kind registers its maker in _BUFFERS
+    (make_torch_inplace.distributed: DTensor)."""
+
+    @staticmethod
+    def rows_times(rows, w):
+        return rows @ w
 
     @staticmethod
     def not_wanted(like):
@@ -193,12 +197,7 @@ class _SquareMatmul(torch.autograd.Function):
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             # y = x @ W  ->  dx = dy @ W.T;   y = x @ W.T  ->  dx = dy @ W
-            w = weight if ctx.transpose else weight.T
-            if type(grad) is not torch.Tensor and grad.dim() > 2:
-                # A DTensor's rows sharded on a dim other than the first cannot be flattened
-                # into one matrix without a gather (torch 2.11): multiply them batched instead.
-                w = w.expand(*grad.shape[:-2], *w.shape)
-            grad_x = grad @ w
+            grad_x = _buffers(grad).rows_times(grad, weight if ctx.transpose else weight.T)
         if ctx.needs_input_grad[2]:
             grad_bias = grad.sum(tuple(range(grad.dim() - 1))) if grad.dim() > 1 else grad
         return grad_x, None, grad_bias, None, None
