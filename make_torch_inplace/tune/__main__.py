@@ -61,6 +61,14 @@ def proposed_rows(
     return rows
 
 
+def memory_gbps(props) -> int:
+    """A GPU's peak memory bandwidth in GB/s, as the C++ key computes it (common.cuh), rounded
+    down to 100 GB/s: the bound that tells this GPU's rows from a slower one's of the same
+    compute capability (an H200's from an H100's)."""
+    gbps = 2 * props.memory_clock_rate * (props.memory_bus_width // 8) // 1_000_000
+    return gbps // 100 * 100
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--family", help="only this kernel family's parameters")
@@ -72,6 +80,7 @@ def main() -> None:
         raise SystemExit("the tuning command needs a CUDA GPU")
     major, minor = torch.cuda.get_device_capability()
     cc, gpu = 10 * major + minor, torch.cuda.get_device_name()
+    gbps = memory_gbps(torch.cuda.get_device_properties())
     for p in parameters(args.family):
         if args.param and p.name not in args.param:
             continue
@@ -93,7 +102,8 @@ def main() -> None:
             print(f"rows: none (the table's choice is within {args.margin:.0%} of the best)")
         for elem, n_min, n_max, value, gain in rows:
             print(
-                f"    {{When{{.cc_min = {cc}, .cc_max = {cc}, .elem_bytes = {elem}, "
+                f"    {{When{{.cc_min = {cc}, .cc_max = {cc}, .gbps_min = {gbps}, "
+                f".elem_bytes = {elem}, "
                 f".n_min = {n_min}, .n_max = {n_max}}}, {value}, "
                 f'"{gain - 1:.0%} faster than the table on {gpu}"}},'
             )
