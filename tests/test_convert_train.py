@@ -487,6 +487,36 @@ def test_optimizer_steps_match():
         assert_accurate(p.detach(), t.detach(), r.detach(), f"parameter #{i}")
 
 
+@pytest.mark.parametrize("drop", [(), ("logits",)])
+def test_adamw_training_of_a_causal_lm_matches(drop):
+    """Twenty AdamW steps of a Llama on its own loss: every step's loss is the unconverted
+    model's, held to fp64 (a wrong step would compound over the steps). The parameters are
+    held to it after SGD steps (test_optimizer_steps_match): Adam scales each element's
+    gradient by its own size, so a gradient of rounding size still moves its element by up to
+    the learning rate."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_hf_config("llama", "sdpa")).train()
+    model64, reference = copy.deepcopy(model).double(), copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1))
+    losses = {}
+    for key, m in (
+        ("fp64", model64),
+        ("torch", reference),
+        ("ours", mti.convert(model, drop_outputs=drop)),
+    ):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        losses[key] = []
+        for _ in range(20):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[key].append(loss.detach())
+    ours, torch_out, ref = (torch.stack(losses[k]) for k in ("ours", "torch", "fp64"))
+    assert ref[-1] < ref[0] - 0.5  # the steps train
+    assert_accurate(ours, torch_out, ref, "losses")
+
+
 class WritesSaved(nn.Module):
     """Writes over sigmoid's output, which autograd saves: PyTorch refuses in the backward."""
 
