@@ -44,6 +44,18 @@ struct When {
   }
 };
 
+// `w` on sm_90 GPUs with at least 4.8 TB/s of memory bandwidth (the H200), whose rows come
+// before the H100's in a table.
+constexpr When on_h200(When w) {
+  w.cc_min = 90;
+  w.cc_max = 90;
+  w.gbps_min = 4800;
+  return w;
+}
+static_assert(!on_h200(When{}).matches(TuningKey{.cc = 90, .mem_gbps = 3352}) &&
+                  !on_h200(When{}).matches(TuningKey{.cc = 90, .mem_gbps = 3938}),
+              "an H100's (SXM, NVL) choices stay the H100 rows'");
+
 struct TuningRow {
   When when;
   int64_t value;

@@ -224,8 +224,12 @@ PARAMETERS = [
         _cases(
             ("softmax", F32, 256),
             ("softmax", F32, 1024),
+            ("softmax", BF16, 1024),
             ("softmax", BF16, 16384),
+            ("layer_norm", BF16, 256),
             ("layer_norm", BF16, 1024),
+            ("layer_norm", BF16, 4096),
+            ("rms_norm", BF16, 1024),
             ("rms_norm", F32, 16384),
         ),
         "row groups per CTA of single-CTA launches (0: resident CTAs striding)",

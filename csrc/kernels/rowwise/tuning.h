@@ -6,7 +6,8 @@
 // the tuning command cannot change them. The runtime tables come after: the launchers' choices,
 // looked up with tuned() (kernels/tuning.h) for the GPU and the call, which the tuning command
 // (make_torch_inplace/tune/rowwise.py names their candidates and deciding calls) may override.
-// The values were chosen on an H100 (cc 90, 132 SMs).
+// The values were chosen on an H100 (cc 90, 132 SMs); rows under on_h200() were measured on an
+// H200 by the tuning command and apply there alone.
 #pragma once
 
 #include "kernels/rowwise/paths.h"
@@ -123,6 +124,7 @@ inline constexpr Tunable kTunedMaxCluster = tunable("rowwise.max_cluster", kMaxC
 // The largest cluster a stashed row takes (ops whose stashed kernels are compiled for the
 // dtype, see launch_rows); larger ones keep the row in registers.
 inline constexpr TuningRow kStashMaxClusterRows[] = {
+    {on_h200(When{.elem_bytes = 4, .n_min = 262144}), 8, "3% faster at n = 262144 (H200)"},
     {When{.elem_bytes = 4}, 2, "fp32 rows gained only where they then take at most two CTAs"},
     {When{}, kMaxCluster, "16-bit rows move as many bytes per CTA as fp32 ones when stashed"},
 };
@@ -143,6 +145,9 @@ inline constexpr Tunable kParamsCtaRowThreads =
 // Row groups per CTA of a single-CTA launch that caches at most one param's vectors (0: a grid
 // of the CTAs resident at once, each striding over the rows).
 inline constexpr TuningRow kRowsPerCtaRows[] = {
+    {on_h200(When{.elem_bytes = 2, .n_max = 1024}), 0,
+     "striding CTAs ran 16-bit LayerNorm at n = 1024 14% faster (H200)"},
+    {on_h200(When{.elem_bytes = 4, .n_max = 1024}), 2, "1-3% faster at n = 256 and 1024 (H200)"},
     {When{}, 1, "a new CTA starts on an SM whenever one ends, evening out the last wave"},
 };
 static_assert(ends_in_catch_all(kRowsPerCtaRows));
@@ -178,12 +183,18 @@ inline constexpr Tunable kThreadsPerSm =
 // How softmax's rows past a CTA's registers are held (ClusterRegisters): softmax, log_softmax
 // without a mask tensor, log_softmax with one.
 inline constexpr TuningRow kSoftmaxClusterRegistersRows[] = {
+    {on_h200(When{.elem_bytes = 2, .n_min = 262144}),
+     static_cast<int64_t>(ClusterRegisters::kLargeCtas), "7% faster at n = 262144 (H200)"},
     {When{}, static_cast<int64_t>(ClusterRegisters::kAll), "registers ran faster than staging"},
 };
 static_assert(ends_in_catch_all(kSoftmaxClusterRegistersRows));
 inline constexpr Tunable kSoftmaxClusterRegisters =
     tunable("rowwise.backward.softmax_cluster_registers", kSoftmaxClusterRegistersRows);
 inline constexpr TuningRow kLogSoftmaxClusterRegistersRows[] = {
+    {on_h200(When{.elem_bytes = 2, .n_min = 65536, .n_max = 131072}),
+     static_cast<int64_t>(ClusterRegisters::kNone), "staging ran n = 131072 9% faster (H200)"},
+    {on_h200(When{.elem_bytes = 4, .n_max = 32768}), static_cast<int64_t>(ClusterRegisters::kNone),
+     "staging ran n = 32768 4% faster (H200)"},
     {When{.elem_bytes = 2}, static_cast<int64_t>(ClusterRegisters::kLargeCtas),
      "16-bit rows recompute exp(y) in both passes: registers won on large CTAs only"},
     {When{}, static_cast<int64_t>(ClusterRegisters::kAll), "registers ran faster than staging"},
@@ -222,6 +233,8 @@ inline constexpr Tunable kLargeClusterMin =
 
 // Shared-path clusters of more CTAs than this take a norm's rows norm_shared_rows at a time.
 inline constexpr TuningRow kGroupedRowsPastClusterRows[] = {
+    {on_h200(When{.elem_bytes = 2, .n_max = 65536}), 1,
+     "pairs of rows ran 16-bit LayerNorm at n = 32768 12% faster (H200)"},
     {When{}, 8, "smaller clusters' reductions cost too little to gain"},
 };
 static_assert(ends_in_catch_all(kGroupedRowsPastClusterRows));
@@ -231,6 +244,8 @@ inline constexpr Tunable kGroupedRowsPastCluster =
 // How many times over the grid holds the resident clusters of at most kSharedWavesMaxCluster
 // CTAs on the shared path where they neither sum parameter gradients nor cache columns.
 inline constexpr TuningRow kSharedWavesRows[] = {
+    {on_h200(When{.elem_bytes = 2, .n_min = 40960, .n_max = 65536}), 1,
+     "3% faster at n = 40960-65536 (H200)"},
     {When{}, 4, "the hardware starts the next cluster as one ends, evening out the end"},
 };
 static_assert(ends_in_catch_all(kSharedWavesRows));
