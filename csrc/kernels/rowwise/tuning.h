@@ -145,9 +145,8 @@ inline constexpr Tunable kParamsCtaRowThreads =
 // Row groups per CTA of a single-CTA launch that caches at most one param's vectors (0: a grid
 // of the CTAs resident at once, each striding over the rows).
 inline constexpr TuningRow kRowsPerCtaRows[] = {
-    {on_h200(When{.elem_bytes = 2, .n_max = 1024}), 0,
-     "striding CTAs ran 16-bit LayerNorm at n = 1024 14% faster (H200)"},
-    {on_h200(When{.elem_bytes = 4, .n_max = 1024}), 2, "1-3% faster at n = 256 and 1024 (H200)"},
+    {on_h200(When{.n_max = 1024}), 2,
+     "bf16 n = 1024: LayerNorm 10%, softmax 5% faster than 1; LayerNorm alone ran 0 faster (H200)"},
     {When{}, 1, "a new CTA starts on an SM whenever one ends, evening out the last wave"},
 };
 static_assert(ends_in_catch_all(kRowsPerCtaRows));
