@@ -53,6 +53,7 @@ import contextlib
 import functools
 import gc
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -445,6 +446,9 @@ def run_case(name: str, seq: int, variants: list[str], args, size: Size, device,
                 del runs[v], run, step
                 _free(device)
     time_runs(runs, batch, recs, args.steps, device)
+    if args.profile:
+        for v, run in runs.items():
+            print(f"\n{name} T={seq} {v}: {profile_table(run, batch, args.profile)}", flush=True)
     for v in order:
         rec = recs[v]
         peak = "-" if rec["peak_extra_bytes"] is None else fmt_bytes(rec["peak_extra_bytes"])
@@ -481,6 +485,30 @@ def time_runs(runs: dict[str, Run], batch: dict, recs: dict, steps: int, device)
         if ok:
             recs[v]["step_ms"] = place_median(by_fn[0])
         _free(device)
+
+
+def profile_table(run: Run, batch: dict, rows: int) -> str:
+    """torch.profiler's table of two steps of `run`, the `rows` ops and kernels that took the
+    most time on the device (the CPU's where there is no GPU), headed by the steps' wall time
+    and the device's busy time, which tell a step bound by its launches from one bound by its
+    kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = next(run.model.parameters()).is_cuda
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            run.step(batch)
+        sync()
+    wall_ms = (time.perf_counter() - start) * 1e3 / 2
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy_ms = sum(getattr(e, key) for e in events) / 1e3 / 2
+    table = events.table(sort_by=key, row_limit=rows)
+    return f"step {wall_ms:.2f} ms, {busy_ms:.2f} ms of it busy on the device\n{table}"
 
 
 # --------------------------------------------------------------------------- report
@@ -646,6 +674,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     parser.add_argument(
         "--quick", action="store_true", help="Llama at seq 4096, 6 timed and 3 loss steps"
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="after timing, print torch.profiler's ROWS costliest ops and kernels of each variant",
     )
     parser.add_argument(
         "--append",

@@ -2,6 +2,7 @@
 eager attention's loss and gradients against SDPA's, and convert's."""
 
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -109,3 +110,13 @@ def test_liger_patches_only_its_own_calls(monkeypatch):
     assert modeling_llama.apply_rotary_pos_emb is original
     with pytest.raises(bench_train.Skipped, match="no patch for gpt2"):
         bench_train.Run("liger", "gpt2", size, cpu, torch.float32)
+
+
+def test_profile_table_heads_the_costliest_ops_with_the_step_time():
+    size, cpu = bench_train.TINY, torch.device("cpu")
+    run = bench_train.Run("convert", "llama", size, cpu, torch.float32)
+    batch = bench_train.make_batch("llama", 64, size, cpu)
+    run.step(batch)  # captures outside the profiler
+    head, table = bench_train.profile_table(run, batch, 3).split("\n", 1)
+    assert re.fullmatch(r"step [0-9.]+ ms, [0-9.]+ ms of it busy on the device", head)
+    assert "Self CPU" in table and "aten::" in table
