@@ -260,6 +260,7 @@ PARAMETERS = [
             ("softmax", F32, 32768),
             ("softmax", F32, 131072),
             ("softmax", BF16, 65536),
+            ("softmax", BF16, 131072),
             ("softmax", BF16, 262144),
             backward=True,
         ),
@@ -269,7 +270,9 @@ PARAMETERS = [
         "backward.log_softmax_cluster_registers",
         (0, 1, 2),
         _cases(
+            ("log_softmax", F32, 16384),
             ("log_softmax", F32, 32768),
+            ("log_softmax", F32, 65536),
             ("log_softmax", F32, 131072),
             ("log_softmax", BF16, 65536),
             ("log_softmax", BF16, 131072),
@@ -318,8 +321,10 @@ PARAMETERS = [
         "backward.grouped_rows_past_cluster",
         (1, 4, 8, 16),
         _cases(
+            ("layer_norm", BF16, 16384),
             ("layer_norm", BF16, 32768),
             ("layer_norm", BF16, 65536),
+            ("rms_norm", BF16, 32768),
             ("rms_norm", F16, 65536),
             backward=True,
         ),
