@@ -20,7 +20,8 @@ apply_liger_kernel_to_llama on the SDPA model: Llama only; skipped with the reas
 or where liger_kernel does not import), convert (mti.convert of the SDPA model),
 convert-nologits (mti.convert(model, drop_outputs=("logits",)): no logits returned, as Liger's
 fused linear cross entropy in training) and convert+compile
-(torch.compile(mti.convert(model))). A variant that raises (OOM, a refusal, a
+(torch.compile(mti.convert(model)): the converted module is a graph break for the outer
+compile, so it runs as convert). A variant that raises (OOM, a refusal, a
 compile error) is recorded with "error" and the sweep goes on.
 
 Per model and sequence length, every variant is built from the same seed and trained on the

@@ -50,7 +50,15 @@ def check_training(model, inputs, loss_of, convert_kwargs=None, **kwargs):
     loss64, grads64 = _step(copy.deepcopy(model).double(), as64, loss_of, kwargs)
     loss_t, grads_t = _step(copy.deepcopy(model), inputs, loss_of, kwargs)
     converted = mti.convert(model, **(convert_kwargs or {}))
-    loss, grads = _step(converted, inputs, loss_of, kwargs)
+    _assert_same_step(
+        _step(converted, inputs, loss_of, kwargs), (loss_t, grads_t), (loss64, grads64)
+    )
+    return converted
+
+
+def _assert_same_step(ours, torch_out, ref):
+    """(loss, gradients) of our step against the fp64 reference's, PyTorch's as the yardstick."""
+    (loss, grads), (loss_t, grads_t), (loss64, grads64) = ours, torch_out, ref
     assert_accurate(loss, loss_t, loss64, "loss")
     assert len(grads) == len(grads64)
     for i, (g, t, r) in enumerate(zip(grads, grads_t, grads64)):
@@ -58,7 +66,6 @@ def check_training(model, inputs, loss_of, convert_kwargs=None, **kwargs):
             assert g is None and t is None
             continue
         assert_accurate(g, t, r, f"grad #{i}")
-    return converted
 
 
 def _masked_sum(out):
@@ -127,6 +134,26 @@ def test_transformers_train(kind, attn):
     # Its inputs are read and saved by it alone: its backward writes their gradients over them.
     assert len(mlps) == 2 and all(op.endswith("gradients over its inputs)") for op in mlps)
     assert attn != "eager" or kind == "llama" or "softmax_" in ops
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert"])
+def test_torch_compile_over_convert_runs_the_converted_graphs(kind):
+    """torch.compile(convert(model)) runs convert's graphs on every call, the first and the
+    cached ones (the converted module is a graph break for the outer compile, which would
+    otherwise inline the model's own code), and trains as the model does."""
+    model = _hf_base(kind, "sdpa")
+    model64, reference = copy.deepcopy(model).double(), copy.deepcopy(model)
+    converted = mti.convert(model)
+    compiled = torch.compile(converted)
+    loss_of = lambda out: _masked_sum(out.last_hidden_state)
+    for seed in (3, 4, 5):
+        ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(seed))
+        ref = _step(model64, (ids,), loss_of, {})
+        torch_out = _step(reference, (ids,), loss_of, {})
+        ran = converted._backend.graph_calls
+        ours = _step(compiled, (ids,), loss_of, {})
+        assert converted._backend.graph_calls > ran
+        _assert_same_step(ours, torch_out, ref)
 
 
 def test_bf16_causal_lm_loss_runs_in_place():

@@ -121,6 +121,10 @@ class ConvertedModule(nn.Module):
         and after (report.GraphReport)."""
         return "\n".join(line for r in self._backend.reports for line in r.lines())
 
+    # An outer torch.compile does not trace into this forward (a graph break), since it would
+    # inline the model's own code and drop the rewrites: the converted graphs run as they do
+    # without it, and torch.compile compiles the code around this module.
+    @torch.compiler.disable
     def forward(self, *args, **kwargs):
         grad = torch.is_grad_enabled()
         # Dynamo reads _CAPTURE_CONFIG only when it captures, which can happen only where the
