@@ -311,7 +311,7 @@ class Run:
 
 def converted_graph_calls(run: Run) -> int | None:
     """How many of convert's rewritten graphs the run's module has called so far (None: not
-    a converted module, or one inside torch.compile)."""
+    a converted module; torch.compile's wrapper passes the attribute through)."""
     backend = getattr(run.call, "_backend", None)
     return None if backend is None else backend.graph_calls
 
