@@ -2,13 +2,9 @@
 per decoder layer, fp32; the records it writes and their fields."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_distributed
 

@@ -4,15 +4,10 @@ in the same order as the CUDA one; on CUDA, gpu_only leaves the host's time out.
 bench_rowwise's pass flags."""
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from helpers import requires_cuda
 
 from benchmarks.common import place_median, time_alternating

@@ -5,12 +5,9 @@ import json
 import re
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_train
 

@@ -21,6 +21,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 import make_torch_inplace as mti
+from benchmarks.live_tensors import LiveTensors
 
 
 @settings(max_examples=examples(40), deadline=None)
@@ -190,6 +191,28 @@ def test_attention_in_pieces(
     assert out.shape == (*batch, t, dv) and out.is_contiguous()
     for x, b in zip(inputs, before, strict=True):
         assert x is None or torch.equal(x, b)
+
+
+def test_pieces_hold_one_piece_at_a_time():
+    """attention_in_pieces allocates its output and one piece of scores at a time, and the
+    SwiGLU backward written over its inputs two pieces of temporaries at a time (an eighth of
+    the workspace limit): never the previous piece's beside the next one's."""
+    convert_module = importlib.import_module("make_torch_inplace.convert")
+    from make_torch_inplace.convert.pieces import _silu_mul_grads_over
+
+    t, s, d, limit = 16, 24, 8, 2 * 16 * 24 * 4  # two matrices of scores a piece
+    q, k, v = (randn((2, 8, n, d), torch.float32, "cpu", i) for i, n in enumerate((t, s, s)))
+    tracker = LiveTensors()
+    with mti.workspace_limit(limit), tracker:
+        out = convert_module.attention_in_pieces(q, k.transpose(-1, -2), v, dim=-1)
+    assert out.nbytes + limit // 2 < tracker.peak <= out.nbytes + limit
+
+    n, limit = 32, 8 * 2 * 32 * 4 * 4  # four rows a piece
+    g, u, grad = (randn((64, n), torch.float32, "cpu", i) for i in range(3))
+    tracker = LiveTensors()
+    with mti.workspace_limit(limit), tracker:
+        _silu_mul_grads_over(grad, g, u)
+    assert limit // 16 < tracker.peak <= limit // 8
 
 
 def test_matmul_over_left_refuses_a_narrower_than_the_product():

@@ -4,8 +4,6 @@ written over, norms save their output instead of their input, and autograd's own
 fire where the model itself writes over a saved tensor."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,16 +13,13 @@ from helpers import assert_accurate, randn
 from torch import nn
 
 import make_torch_inplace as mti
+from benchmarks.live_tensors import LiveTensors
 from make_torch_inplace.convert import (
     linear_cross_entropy,
     linear_of_gelu,
     linear_of_silu_mul,
     silu_mul,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.live_tensors import LiveTensors
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -274,6 +269,24 @@ def test_linear_cross_entropy(dtype, reduction):
     assert_accurate(loss.detach(), loss_t.detach(), loss64.detach(), "loss")
     for i, (g, t, r) in enumerate(zip(grads, grads_t, grads64)):
         assert_accurate(g, t, r, f"grad #{i}")
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_linear_cross_entropy_holds_one_piece_at_a_time(given):
+    """At most the workspace limit of logits is alive at once, beyond the gradients it keeps
+    (h's and the weight's) and the loss: one piece, never two."""
+    rows, vocab = 64, 96
+    h = randn((rows, D), torch.float32, "cpu", seed=1).requires_grad_()
+    w = randn((vocab, D), torch.float32, "cpu", seed=2).requires_grad_()
+    target = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(4))
+    logits = F.linear(h, w).detach() if given else None
+    limit = 8 * vocab * 4  # eight rows a piece: eight pieces
+    tracker = LiveTensors()
+    with mti.workspace_limit(limit), tracker:
+        loss = linear_cross_entropy(h, w, target, logits=logits)
+    kept = h.numel() * 4 + w.numel() * 4  # the two gradients autograd keeps
+    assert kept < tracker.peak <= kept + limit + 256  # + the loss's scalars
+    del loss
 
 
 @pytest.mark.parametrize("drop", [(), ("logits",)])

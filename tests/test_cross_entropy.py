@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import pytest
 import torch
 import torch.nn.functional as F

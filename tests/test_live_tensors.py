@@ -1,12 +1,7 @@
 """benchmarks/live_tensors.py: the tracker counts each storage an op allocates while it lives,
 not views, in-place results or storages made before it started."""
 
-import sys
-from pathlib import Path
-
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.live_tensors import LiveTensors, summary
 

@@ -119,6 +119,7 @@ def attention_in_pieces(
                 softmax_kwargs["mask"] = mask[tuple(at)]
             softmax(scores, dim, **softmax_kwargs)
             torch.matmul(scores, v[piece], out=out[piece])
+            del scores  # else it lives on while the next piece is made
     return out
 
 
@@ -313,6 +314,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(piece, weight, out=grad_h[r0 : r0 + step])
             if want_w:
                 grad_w.addmm_(piece.t(), h_r)
+            del piece  # else it lives on while the next one is made: twice the limit
         if scale is not None:
             loss = loss * scale
         ctx.save_for_backward(grad_h, grad_w)
