@@ -493,6 +493,7 @@ def profile_table(run: Run, batch: dict, rows: int) -> str:
     most time on the device (the CPU's where there is no GPU), headed by the steps' wall time
     and the device's busy time, which tell a step bound by its launches from one bound by its
     kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = next(run.model.parameters()).is_cuda
@@ -507,7 +508,14 @@ def profile_table(run: Run, batch: dict, rows: int) -> str:
     wall_ms = (time.perf_counter() - start) * 1e3 / 2
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    busy_ms = sum(getattr(e, key) for e in events) / 1e3 / 2
+    # On the GPU, the kernels' own events: an op's self device time, or a range's, counts its
+    # kernels again (the table's own total takes the same ones).
+    busy = [
+        e
+        for e in events
+        if not cuda or (e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+    ]
+    busy_ms = sum(getattr(e, key) for e in busy) / 1e3 / 2
     table = events.table(sort_by=key, row_limit=rows)
     return f"step {wall_ms:.2f} ms, {busy_ms:.2f} ms of it busy on the device\n{table}"
 

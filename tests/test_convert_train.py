@@ -534,8 +534,7 @@ def test_adamw_training_of_a_causal_lm_matches(drop):
     held to it after SGD steps (test_optimizer_steps_match): Adam scales each element's
     gradient by its own size, so a gradient of rounding size still moves its element by up to
     the learning rate."""
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(tiny_hf_config("llama", "sdpa")).train()
+    model = _llama(torch.float32)
     model64, reference = copy.deepcopy(model).double(), copy.deepcopy(model)
     ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1))
     losses = {}

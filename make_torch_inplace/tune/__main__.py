@@ -103,8 +103,7 @@ def main() -> None:
         for elem, n_min, n_max, value, gain in rows:
             print(
                 f"    {{When{{.cc_min = {cc}, .cc_max = {cc}, .gbps_min = {gbps}, "
-                f".elem_bytes = {elem}, "
-                f".n_min = {n_min}, .n_max = {n_max}}}, {value}, "
+                f".elem_bytes = {elem}, .n_min = {n_min}, .n_max = {n_max}}}, {value}, "
                 f'"{gain - 1:.0%} faster than the table on {gpu}"}},'
             )
 
