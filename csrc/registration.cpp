@@ -56,4 +56,15 @@ TORCH_LIBRARY(make_torch_inplace, m) {
   m.def(
       "cross_entropy_(Tensor(a!) logits, Tensor target, int ignore_index, int reduction, "
       "float label_smoothing, Tensor(b!) losses) -> ()");
+
+  // Rotary position embedding (Hugging Face's apply_rotary_pos_emb for one tensor) of x's rows
+  // of even length D = 2h: with x1, x2 = x[..., :h], x[..., h:] and c1, c2 / s1, s2 the halves
+  // of cos / sin (broadcast to x's shape, last dim D),
+  //   x1 <- x1 * c1 - x2 * s1,  x2 <- x2 * c2 + x1 * s2
+  // in fp32 (fp64 for float64), rounded once to x's dtype.
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  // rope_'s backward, the transpose of its rotation, out of place (grad may be shared):
+  //   grad_x1 <- g1 * c1 + g2 * s2,  grad_x2 <- g2 * c2 - g1 * s1
+  // grad_x: grad's shape and dtype, stride(-1) == 1, overlapping none of grad, cos and sin.
+  m.def("rope_backward(Tensor grad, Tensor cos, Tensor sin, Tensor(a!) grad_x) -> ()");
 }

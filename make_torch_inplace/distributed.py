@@ -2,23 +2,24 @@
 
 ``import make_torch_inplace.distributed`` registers, with
 ``torch.distributed.tensor.experimental.register_sharding``, a rule for each dispatcher op of
-``torch.ops.make_torch_inplace`` (forward, backward and cross_entropy_). Importing needs no
-initialised process group; importing ``make_torch_inplace`` alone does not import this module.
+``torch.ops.make_torch_inplace`` (forward, backward, cross_entropy_ and rope_). Importing needs
+no initialised process group; importing ``make_torch_inplace`` alone does not import this
+module.
 
 The rules, for every mesh dim:
 
 - a tensor the op overwrites (x, logits, and the backward ops' outputs) may be Replicate or
   Shard on a dim the op does not normalize, reduce or contract; the op then runs on the local
   shard with no communication and x keeps its placements (in place);
-- Partial, or Shard on the softmax / normalized / contracted / class dim, raises before
-  anything is written. So does an argument whose placement differs from what the local op
-  needs (weight, bias: Replicate; mask: Replicate, or sharded like x where it spans x's sharded
-  dim; grad like y). Each rule accepts exactly the placements it is given, so DTensor never
-  redistributes (gathers) an argument: a layout the op cannot serve in place is an error, not
-  a silent all-gather into a temporary that the op would then overwrite instead of x (the one
-  collective here: a norm's backward brings an output gradient placed unlike y to y's
-  placements, a read-only input). A dim sharded more ways than it has elements is refused
-  too (DTensor offers no strategy over empty shards);
+- Partial, or Shard on the softmax / normalized / contracted / class / rotated dim, raises
+  before anything is written. So does an argument whose placement differs from what the local
+  op needs (weight, bias: Replicate; mask, rope's cos and sin: Replicate, or sharded like x
+  where they span x's sharded dim; grad like y). Each rule accepts exactly the placements it
+  is given, so DTensor never redistributes (gathers) an argument: a layout the op cannot
+  serve in place is an error, not a silent all-gather into a temporary that the op would then
+  overwrite instead of x (the one collective here: a norm's backward brings an output
+  gradient placed unlike y to y's placements, a read-only input). A dim sharded more ways
+  than it has elements is refused too (DTensor offers no strategy over empty shards);
 - softmax with ``causal`` also refuses a sharded query dim (-2): the causal mask is aligned to
   the local shard's first row; square_matmul_ refuses a sharded weight (column- or
   row-parallel), whose output would need a gather or a reduction that cannot land in x's
@@ -102,20 +103,24 @@ def _check_replicated(op: str, name: str, spec, hint: str = "") -> None:
         _refuse(op, f"{name} must be Replicate, got {tuple(spec.placements)}{hint}")
 
 
-def _check_mask(op: str, mask, x) -> None:
-    """A mask broadcast against x: where x is sharded on a dim that the mask spans (size > 1),
-    the mask must be sharded on the same dim; elsewhere Replicate."""
-    if not _is_spec(mask):
+def _check_broadcast(op: str, name: str, t, x, x_name: str = "x") -> None:
+    """A tensor broadcast against x (a mask, rope's cos and sin): where x is sharded on a dim
+    that t spans (size > 1), t must be sharded on the same dim; elsewhere Replicate."""
+    if not _is_spec(t):
         return
-    ndim, offset = len(x.shape), len(x.shape) - len(mask.shape)
-    for i, (p, q) in enumerate(zip(x.placements, mask.placements, strict=True)):
+    ndim, offset = len(x.shape), len(x.shape) - len(t.shape)
+    for i, (p, q) in enumerate(zip(x.placements, t.placements, strict=True)):
         d = p.dim % ndim if p.is_shard() else None
-        md = None if d is None else d - offset
-        if md is not None and md >= 0 and mask.shape[md] > 1:
-            if not (q.is_shard() and q.dim % len(mask.shape) == md):
-                _refuse(op, f"mask must be Shard({md}) on mesh dim {i} as x is Shard({d})")
+        td = None if d is None else d - offset
+        if td is not None and td >= 0 and t.shape[td] > 1:
+            if not (q.is_shard() and q.dim % len(t.shape) == td):
+                _refuse(op, f"{name} must be Shard({td}) on mesh dim {i} as {x_name} is Shard({d})")
         elif not q.is_replicate():
-            _refuse(op, f"mask must be Replicate on mesh dim {i}, got {q}")
+            _refuse(op, f"{name} must be Replicate on mesh dim {i}, got {q}")
+
+
+def _check_mask(op: str, mask, x) -> None:
+    _check_broadcast(op, "mask", mask, x)
 
 
 def _per_mesh_dim(x, placement_if_sharded) -> list:
@@ -172,6 +177,7 @@ def _softmax_kept(y, dim: int, causal: bool) -> set[int]:
 
 
 _SOFTMAX_WHY = "the softmax dim (or, with causal, the query dim -2)"
+_ROPE_WHY = "the rotated dim (each element needs its partner in the other half)"
 _NORM_WHY = "one of the normalized dims"
 _CLASS_WHY = "the class dim (vocab-parallel logits need a cross-rank max and sum)"
 
@@ -259,6 +265,25 @@ def _cross_entropy_rule(logits, target, ignore_index, reduction, label_smoothing
     _check_same(op, "target", target, logits, "logits")
     _check_same(op, "losses", losses, target, "target")
     return _as_given(op, logits, target, ignore_index, reduction, label_smoothing, losses)
+
+
+@_rule(_ops.rope_.default)
+def _rope_rule(x, cos, sin):
+    op = "rope_"
+    _check_overwritten(op, "x", x, {len(x.shape) - 1}, _ROPE_WHY)
+    _check_broadcast(op, "cos", cos, x)
+    _check_broadcast(op, "sin", sin, x)
+    return _as_given(op, x, cos, sin)
+
+
+@_rule(_ops.rope_backward.default)
+def _rope_backward_rule(grad, cos, sin, grad_x):
+    op = "rope_backward"
+    _check_overwritten(op, "grad", grad, {len(grad.shape) - 1}, _ROPE_WHY)
+    _check_broadcast(op, "cos", cos, grad, "grad")
+    _check_broadcast(op, "sin", sin, grad, "grad")
+    _check_same(op, "grad_x", grad_x, grad, "grad")
+    return _as_given(op, grad, cos, sin, grad_x)
 
 
 # --------------------------------------------------------------------------- buffers

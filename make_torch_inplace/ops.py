@@ -469,6 +469,59 @@ class _CrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+# --------------------------------------------------------------------------- rotary embedding
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x <- x * cos + rotate_half(x) * sin (Hugging Face Llama's apply_rotary_pos_emb for one
+    tensor), in place: with x1, x2 the two halves of x's last dim D and c1, c2 / s1, s2 those
+    of cos / sin, x1 <- x1 * c1 - x2 * s1 and x2 <- x2 * c2 + x1 * s2, computed in float32
+    (float64 for float64) and rounded once to x's dtype.
+
+    x: float16, bfloat16, float32 or float64, D even, x.stride(-1) == 1, any other strides (a
+    transposed view of q, say, written where it lies, without a copy). cos, sin: x's dtype and
+    device, last dim D with stride 1, broadcastable to x's shape ((seq, D), (b, 1, seq, D),
+    ...), not overlapping x. Under autograd only cos and sin are saved; the backward makes a
+    new gradient tensor (the incoming gradient is left as it is). cos and sin that require
+    grad are refused under autograd: their gradients need x, which this op overwrites.
+    """
+    if torch.is_grad_enabled():
+        if cos.requires_grad or sin.requires_grad:
+            raise RuntimeError(
+                "rope_: cos or sin requires grad, but their gradients need the input x, which "
+                "this op overwrites. Detach them (cos.detach()), run under torch.no_grad(), or "
+                "use the out-of-place x * cos + rotate_half(x) * sin"
+            )
+        if x.requires_grad:
+            _check_overwritable("rope_", x)
+            return _Rope.apply(x, cos, sin)
+    _ops.rope_(x, cos, sin)
+    return x
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        _ops.rope_(x, cos, sin)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(cos, sin)
+        return x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        # A fresh tensor: grad may be shared with other consumers. In grad's layout where its
+        # rows have stride 1 (as the op wants them; empty_like makes an expanded grad's
+        # contiguous), else contiguous.
+        if grad.shape[-1] <= 1 or grad.stride(-1) == 1:
+            grad_x = torch.empty_like(grad)
+        else:
+            grad_x = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        _ops.rope_backward(grad, cos, sin, grad_x)
+        return grad_x, None, None
+
+
 # --------------------------------------------------------------------------- fake kernels
 # The ops return nothing and only write their Tensor(a!) arguments (x and rstd, or the
 # gradients), so their fake kernels have nothing to compute; they exist so FakeTensor and
@@ -519,4 +572,25 @@ def _norm_backward_fake(
 
 @torch.library.register_fake("make_torch_inplace::cross_entropy_")
 def _cross_entropy_fake(logits, target, ignore_index, reduction, label_smoothing, losses):
+    return None
+
+
+def _check_rope_tables(op: str, x_name: str, x: torch.Tensor, cos, sin) -> None:
+    # The dtype rule the C++ checks enforce, for fake tensors, which never reach them.
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != x.dtype:
+            raise RuntimeError(
+                f"{op}: {name} must have {x_name}'s dtype ({x.dtype}), got {t.dtype}"
+            )
+
+
+@torch.library.register_fake("make_torch_inplace::rope_")
+def _rope_fake(x, cos, sin):
+    _check_rope_tables("rope_", "x", x, cos, sin)
+    return None
+
+
+@torch.library.register_fake("make_torch_inplace::rope_backward")
+def _rope_backward_fake(grad, cos, sin, grad_x):
+    _check_rope_tables("rope_backward", "grad", grad, cos, sin)
     return None

@@ -140,6 +140,7 @@ else
   bench bench_rowwise quick
   bench bench_square_matmul quick
   bench bench_cross_entropy quick
+  bench bench_rope quick
   bench bench_e2e quick
   bench bench_train quick
   # FSDP2 over NCCL needs two GPUs; its results go to benchmarks/results/<gpu>x2/.

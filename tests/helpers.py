@@ -112,6 +112,17 @@ ref_layer_norm = F.layer_norm
 ref_rms_norm = F.rms_norm
 
 
+def rotate_half(x):
+    """Hugging Face Llama's rotate_half: the halves of the last dim as (-x2, x1)."""
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def ref_rope(x, cos, sin):
+    """Hugging Face Llama's apply_rotary_pos_emb for one tensor, written out."""
+    return x * cos + rotate_half(x) * sin
+
+
 # --------------------------------------------------------------------------- inputs
 
 

@@ -435,6 +435,196 @@ def _xent_empty_classes(d):
     return x, lambda: mti.cross_entropy_(x, t), RuntimeError, "class dim must not be empty"
 
 
+def _rope_tables(*shape, device):
+    return rand(*shape, device=device, seed=1), rand(*shape, device=device, seed=2)
+
+
+def _rope_int(d):
+    x = int_tensor(2, 3, 8, device=d)
+    c = int_tensor(3, 8, device=d)
+    return x, lambda: mti.rope_(x, c, c), RuntimeError, "rope_: x must be float32"
+
+
+def _rope_scalar_x(d):
+    x = rand(device=d)
+    return x, lambda: mti.rope_(x, rand(1, device=d), rand(1, device=d)), RuntimeError, "one dim"
+
+
+def _rope_odd_dim(d):
+    x = rand(2, 3, 5, device=d)
+    cos, sin = _rope_tables(3, 5, device=d)
+    return x, lambda: mti.rope_(x, cos, sin), ValueError, "last dim must be even"
+
+
+def _rope_transposed_x(d):
+    x = rand(2, 8, 4, device=d).transpose(1, 2)
+    cos, sin = _rope_tables(4, 8, device=d)
+    return x, lambda: mti.rope_(x, cos, sin), ValueError, "x's last dim must have stride 1"
+
+
+def _rope_expanded_x(d):
+    x = rand(1, 3, 8, device=d).expand(2, 3, 8)
+    cos, sin = _rope_tables(3, 8, device=d)
+    return x, lambda: mti.rope_(x, cos, sin), RuntimeError, "overlapping"
+
+
+def _rope_cos_dtype(d):
+    x = rand(2, 3, 8, device=d)
+    cos = rand(3, 8, device=d, dtype=torch.bfloat16)
+    sin = rand(3, 8, device=d)
+    return x, lambda: mti.rope_(x, cos, sin), RuntimeError, "cos must have x's dtype"
+
+
+def _rope_sin_dtype(d):
+    x = rand(2, 3, 8, device=d, dtype=torch.float16)
+    cos = rand(3, 8, device=d, dtype=torch.float16)
+    sin = rand(3, 8, device=d, dtype=torch.float64)
+    return x, lambda: mti.rope_(x, cos, sin), RuntimeError, "sin must have x's dtype"
+
+
+def _rope_cos_last_dim(d):
+    x = rand(2, 3, 8, device=d)
+    cos, sin = rand(3, 4, device=d), rand(3, 8, device=d)
+    return x, lambda: mti.rope_(x, cos, sin), RuntimeError, "cos's last dim must equal x's \\(8\\)"
+
+
+def _rope_sin_broadcast_last_dim(d):
+    # A size-1 last dim does not broadcast either: each column has its own angle.
+    x = rand(2, 3, 8, device=d)
+    cos, sin = rand(3, 8, device=d), rand(3, 1, device=d)
+    return x, lambda: mti.rope_(x, cos, sin), RuntimeError, "sin's last dim must equal x's"
+
+
+def _rope_cos_not_broadcastable(d):
+    x = rand(2, 4, 3, 8, device=d)
+    cos, sin = _rope_tables(4, 8, device=d)  # (s, D) with s != 3
+    return x, lambda: mti.rope_(x, cos, sin), RuntimeError, "cos of shape .* does not broadcast"
+
+
+def _rope_cos_more_dims(d):
+    x = rand(3, 8, device=d)
+    cos, sin = _rope_tables(2, 3, 8, device=d)
+    return x, lambda: mti.rope_(x, cos, sin), RuntimeError, "does not broadcast to x's shape"
+
+
+def _rope_cos_strided_last_dim(d):
+    x = rand(2, 3, 8, device=d)
+    cos = rand(3, 16, device=d)[:, ::2]
+    sin = rand(3, 8, device=d)
+    return x, lambda: mti.rope_(x, cos, sin), ValueError, "cos's last dim must have stride 1"
+
+
+def _rope_cos_is_x(d):
+    x = rand(3, 8, device=d)
+    return x, lambda: mti.rope_(x, x, rand(3, 8, device=d)), RuntimeError, "x overlaps cos"
+
+
+def _rope_sin_views_x(d):
+    x = rand(2, 3, 8, device=d)
+    return x, lambda: mti.rope_(x, rand(3, 8, device=d), x[0]), RuntimeError, "x overlaps sin"
+
+
+def _rope_too_many_strided_groups(d):
+    x = rand(*([3] * 9), 4, device=d)[(slice(0, 2),) * 9]
+    cos, sin = _rope_tables(4, device=d)
+    return x, lambda: mti.rope_(x, cos, sin), ValueError, "contiguous"
+
+
+def _rope_leaf_requires_grad(d):
+    x = rand(2, 3, 8, device=d).requires_grad_()
+    cos, sin = _rope_tables(3, 8, device=d)
+    return x, lambda: mti.rope_(x, cos, sin), RuntimeError, "leaf tensor that requires grad"
+
+
+def _rope_cos_requires_grad(d):
+    x = rand(2, 3, 8, device=d)
+    cos, sin = _rope_tables(3, 8, device=d)
+    cos.requires_grad_()
+    return x, lambda: mti.rope_(x, cos, sin), RuntimeError, "cos or sin requires grad"
+
+
+def _rope_sin_requires_grad_x_too(d):
+    x = rand(2, 3, 8, device=d).requires_grad_() * 1
+    cos, sin = _rope_tables(3, 8, device=d)
+    sin.requires_grad_()
+    return x, lambda: mti.rope_(x, cos, sin), RuntimeError, "cos or sin requires grad"
+
+
+def _rope_backward_grad_x_is_grad(d):
+    g = rand(2, 3, 8, device=d)
+    cos, sin = _rope_tables(3, 8, device=d)
+    return g, lambda: _ops.rope_backward(g, cos, sin, g), RuntimeError, "grad_x overlaps grad"
+
+
+def _rope_backward_grad_x_overlaps_cos(d):
+    cos, sin = _rope_tables(3, 8, device=d)
+    grad_x = cos
+    g = rand(3, 8, device=d)
+    return (
+        grad_x,
+        lambda: _ops.rope_backward(g, cos, sin, grad_x),
+        RuntimeError,
+        "grad_x overlaps cos",
+    )
+
+
+def _rope_backward_grad_x_shape(d):
+    g = rand(2, 3, 8, device=d)
+    cos, sin = _rope_tables(3, 8, device=d)
+    grad_x = torch.zeros(3, 8, device=d)
+    return (
+        grad_x,
+        lambda: _ops.rope_backward(g, cos, sin, grad_x),
+        RuntimeError,
+        "grad_x must have grad's shape",
+    )
+
+
+def _rope_backward_grad_x_dtype(d):
+    g = rand(2, 3, 8, device=d)
+    cos, sin = _rope_tables(3, 8, device=d)
+    grad_x = torch.zeros(2, 3, 8, device=d, dtype=torch.float64)
+    return (
+        grad_x,
+        lambda: _ops.rope_backward(g, cos, sin, grad_x),
+        RuntimeError,
+        "grad_x must have grad's dtype",
+    )
+
+
+def _rope_backward_grad_x_strided(d):
+    g = rand(2, 3, 8, device=d)
+    cos, sin = _rope_tables(3, 8, device=d)
+    grad_x = torch.zeros(2, 8, 3, device=d).transpose(1, 2)
+    return (
+        grad_x,
+        lambda: _ops.rope_backward(g, cos, sin, grad_x),
+        ValueError,
+        "grad_x's last dim must have stride 1",
+    )
+
+
+def _rope_backward_odd_dim(d):
+    g = rand(2, 3, 6, device=d)[..., :5]
+    cos, sin = _rope_tables(3, 5, device=d)
+    grad_x = torch.zeros(2, 3, 5, device=d)
+    return (
+        grad_x,
+        lambda: _ops.rope_backward(g, cos, sin, grad_x),
+        ValueError,
+        "grad's last dim must be even",
+    )
+
+
+def _rope_compiled_cos_dtype(d):
+    # Under torch.compile the fake kernel refuses it while tracing, before anything runs.
+    x = rand(2, 3, 8, device=d)
+    cos = rand(3, 8, device=d, dtype=torch.float16)
+    sin = rand(3, 8, device=d)
+    fn = torch.compile(mti.rope_, backend="aot_eager", fullgraph=True)
+    return x, lambda: fn(x, cos, sin), RuntimeError, "cos must have x's dtype"
+
+
 CASES = [
     _matmul_nonsquare,
     _linear_nonsquare,
@@ -497,6 +687,31 @@ CASES = [
     _xent_losses_wrong_dtype,
     _xent_losses_overlap_logits,
     _xent_empty_classes,
+    _rope_int,
+    _rope_scalar_x,
+    _rope_odd_dim,
+    _rope_transposed_x,
+    _rope_expanded_x,
+    _rope_cos_dtype,
+    _rope_sin_dtype,
+    _rope_cos_last_dim,
+    _rope_sin_broadcast_last_dim,
+    _rope_cos_not_broadcastable,
+    _rope_cos_more_dims,
+    _rope_cos_strided_last_dim,
+    _rope_cos_is_x,
+    _rope_sin_views_x,
+    _rope_too_many_strided_groups,
+    _rope_leaf_requires_grad,
+    _rope_cos_requires_grad,
+    _rope_sin_requires_grad_x_too,
+    _rope_backward_grad_x_is_grad,
+    _rope_backward_grad_x_overlaps_cos,
+    _rope_backward_grad_x_shape,
+    _rope_backward_grad_x_dtype,
+    _rope_backward_grad_x_strided,
+    _rope_backward_odd_dim,
+    _rope_compiled_cos_dtype,
 ]
 
 # Target values are checked on the host only by the CPU backend.
@@ -574,6 +789,12 @@ def _xent_target_on_cpu(d):
     return x, lambda: mti.cross_entropy_(x, t), RuntimeError, "target must be on logits' device"
 
 
+def _rope_cos_on_cpu(d):
+    x = rand(2, 3, 8, device=d)
+    cos, sin = rand(3, 8, device="cpu"), rand(3, 8, device=d)
+    return x, lambda: mti.rope_(x, cos, sin), RuntimeError, "cos must be on x's device"
+
+
 def _float64_norm_rstd_float32(d):
     # On CUDA a float64 x saves its rstd in float64.
     x = rand(4, 6, device=d, dtype=torch.float64)
@@ -593,6 +814,7 @@ def _float64_norm_rstd_float32(d):
         _float64_matmul_k_too_large_without_workspace,
         _float64_norm_rstd_float32,
         _xent_target_on_cpu,
+        _rope_cos_on_cpu,
     ],
     ids=lambda c: c.__name__.lstrip("_"),
 )

@@ -22,6 +22,7 @@ def opcheck_samples(device):
     bf16 = torch.bfloat16
     sm, sx, ln, rms = _ops.square_matmul_, _ops.softmax_, _ops.layer_norm_, _ops.rms_norm_
     xent = _ops.cross_entropy_
+    rope, rope_bwd = _ops.rope_, _ops.rope_backward
     target = torch.tensor([[1, 0, 7], [-100, 2, 3]], device=device)
     return {
         "square_matmul": (sm, (r(2, 6, 8), r(8, 8, seed=2), None, False, 1 << 20)),
@@ -49,6 +50,19 @@ def opcheck_samples(device):
         "cross_entropy_none_smoothed_bf16": (
             xent,
             (r(2, 3, 8, dtype=bf16), target.clamp(min=0), 7, 0, 0.1, r(2, 3)),
+        ),
+        "rope": (rope, (r(2, 3, 5, 8), r(5, 8, seed=12), r(5, 8, seed=13))),
+        "rope_transposed_heads_bf16": (
+            rope,
+            (
+                r(2, 5, 3, 8, dtype=bf16).transpose(1, 2),
+                r(2, 1, 5, 8, seed=14, dtype=bf16),
+                r(1, 1, 5, 8, seed=15, dtype=bf16),
+            ),
+        ),
+        "rope_backward": (
+            rope_bwd,
+            (r(2, 3, 5, 8), r(5, 8, seed=16), r(1, 3, 5, 8, seed=17), r(2, 3, 5, 8, seed=18)),
         ),
     }
 

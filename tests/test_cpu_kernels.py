@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import check_op, randn, ref_log_softmax, ref_softmax
+from helpers import assert_accurate, check_op, randn, ref_log_softmax, ref_rope, ref_softmax
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -134,6 +134,33 @@ def test_backward_edges(dtype, rows, n, op, seed):
         term = rstd * x_hat.abs() * (w64 * dy64 * x_hat).abs().mean(-1, keepdim=True)
         floor += torch.finfo(dtype).eps * term.max().item()
     assert err <= 2 * torch_err + floor, (err, torch_err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    half=st.sampled_from([7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 65]) | st.integers(1, 70),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_rope_edges(dtype, rows, half, strided, seed):
+    """rope_ with halves around the vector blocks (8 fp32, 16 for 16-bit conversions), forward
+    and backward, cos and sin of their own row layouts."""
+    n = 2 * half
+    x = randn((rows, n + 3 if strided else n), dtype, "cpu", seed)[:, :n]
+    cos, sin = randn((rows, n), dtype, "cpu", seed + 1), randn((1, n), dtype, "cpu", seed + 2)
+    dy = randn((rows, n), dtype, "cpu", seed + 7)
+
+    def grad(fn, t, c, s, g):
+        t = t.clone().requires_grad_(True)
+        (out,) = torch.autograd.grad(fn(t * 1, c, s), t, g)
+        return out
+
+    to64 = [t.double() for t in (x, cos, sin, dy)]
+    g64 = grad(ref_rope, *to64)
+    assert_accurate(grad(mti.rope_, x, cos, sin, dy), grad(ref_rope, x, cos, sin, dy), g64)
+    check_op(mti.rope_, ref_rope, x, cos, sin)
 
 
 @settings(max_examples=20, deadline=None)

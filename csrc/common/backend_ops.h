@@ -27,7 +27,10 @@
                      const at::Tensor& grad_x, const at::Tensor& grad_weight,                      \
                      const at::Tensor& grad_bias);                                                 \
   void cross_entropy_(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,    \
-                      int64_t reduction, double label_smoothing, const at::Tensor& losses);
+                      int64_t reduction, double label_smoothing, const at::Tensor& losses);        \
+  void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);                   \
+  void rope_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,         \
+                     const at::Tensor& grad_x);
 
 // Registers a backend's entry points for one dispatch key.
 #define MTI_REGISTER_BACKEND_OPS(m, ns)              \
@@ -37,4 +40,6 @@
   m.impl("rms_norm_", &ns::rms_norm_);               \
   m.impl("softmax_backward", &ns::softmax_backward); \
   m.impl("norm_backward", &ns::norm_backward);       \
-  m.impl("cross_entropy_", &ns::cross_entropy_);
+  m.impl("cross_entropy_", &ns::cross_entropy_);     \
+  m.impl("rope_", &ns::rope_);                       \
+  m.impl("rope_backward", &ns::rope_backward);

@@ -5,6 +5,7 @@
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -420,6 +421,113 @@ CrossEntropyPlan plan_cross_entropy(const at::Tensor& logits, const at::Tensor& 
   plan.params.ignore_index = ignore_index;
   plan.params.reduction = static_cast<CrossEntropyReduction>(reduction);
   plan.params.label_smoothing = label_smoothing;
+  return plan;
+}
+
+namespace {
+
+// What rope_ and rope_backward check of the tensor whose rows rotate (x, grad; `name`):
+// floating, at least one dim, an even last dim.
+void check_rope_rows(const char* op, const char* name, const at::Tensor& t) {
+  check_float_dtype(op, name, t);
+  TORCH_CHECK(t.dim() >= 1, op, ": ", name,
+              " must have at least one dim (the rotated one), got a scalar");
+  TORCH_CHECK_VALUE(t.size(-1) % 2 == 0, op, ": ", name,
+                    "'s last dim must be even (its two halves rotate together), got ",
+                    text(t.size(-1)));
+}
+
+// A tensor whose rows are read or written whole (x, grad, grad_x; `name`): stride 1 within
+// a row.
+void check_unit_stride(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, op, ": ", name,
+                    "'s last dim must have stride 1 (rows may be strided), got stride ",
+                    text(t.stride(-1)), "; pass ", name, ".contiguous()");
+}
+
+// cos or sin (`name`) against the rotated tensor (`x_name`): its dtype and device, its last
+// dim D with stride 1, broadcastable to its shape.
+void check_rope_table(const char* op, const char* name, const at::Tensor& t, const char* x_name,
+                      const at::Tensor& x) {
+  check_like(op, name, t, x_name, x);
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(t.dim() >= 1 && t.size(-1) == d, op, ": ", name, "'s last dim must equal ", x_name,
+              "'s (", text(d), "), got ", name, " of shape ", text(t.sizes()));
+  TORCH_CHECK(at::is_expandable_to(t.sizes(), x.sizes()), op, ": ", name, " of shape ",
+              text(t.sizes()), " does not broadcast to ", x_name, "'s shape ", text(x.sizes()));
+  check_unit_stride(op, name, t);
+}
+
+// The dims of t with its leading dims in memory order (by decreasing stride, ties as they
+// are), the last dim last.
+std::vector<int64_t> memory_order(const at::Tensor& t) {
+  std::vector<int64_t> order(t.dim());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end() - 1,
+                   [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
+  return order;
+}
+
+// The layout's row count, half and tables: cos and sin expanded to `shape`, dims in `order`.
+void plan_rope_tables(const char* op, const at::Tensor& cos, const at::Tensor& sin,
+                      at::IntArrayRef shape, const std::vector<int64_t>& order,
+                      RopeLayout& layout) {
+  const int64_t lead = static_cast<int64_t>(shape.size()) - 1;
+  build_row_index(op, "cos", lead, cos.expand(shape).permute(order), layout.cos);
+  build_row_index(op, "sin", lead, sin.expand(shape).permute(order), layout.sin);
+  const int64_t d = shape[lead];
+  layout.half = d / 2;
+  layout.rows = d == 0 ? 0 : c10::multiply_integers(shape) / d;
+}
+
+}  // namespace
+
+RopePlan plan_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const char* op = "rope_";
+  check_rope_rows(op, "x", x);
+  check_unit_stride(op, "x", x);
+  check_no_internal_overlap(op, x);
+  check_rope_table(op, "cos", cos, "x", x);
+  check_rope_table(op, "sin", sin, "x", x);
+  check_no_overlap(op, "cos", x, cos);
+  check_no_overlap(op, "sin", x, sin);
+  RopePlan plan;
+  const std::vector<int64_t> order = memory_order(x);
+  build_row_index(op, "x", x.dim() - 1, x.permute(order), plan.layout.in);
+  plan.layout.out = plan.layout.in;
+  plan.layout.out_is_in = true;
+  plan_rope_tables(op, cos, sin, x.sizes(), order, plan.layout);
+  plan.in = x;
+  return plan;
+}
+
+RopePlan plan_rope_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& grad_x) {
+  const char* op = "rope_backward";
+  check_rope_rows(op, "grad", grad);
+  check_like(op, "grad_x", grad_x, "grad", grad);
+  TORCH_CHECK(grad_x.sizes().equals(grad.sizes()), op, ": grad_x must have grad's shape ",
+              text(grad.sizes()), ", got ", text(grad_x.sizes()));
+  check_unit_stride(op, "grad_x", grad_x);
+  check_no_internal_overlap(op, grad_x, "grad_x");
+  check_rope_table(op, "cos", cos, "grad", grad);
+  check_rope_table(op, "sin", sin, "grad", grad);
+  check_no_overlap(op, "grad", grad_x, grad, "grad_x");
+  check_no_overlap(op, "cos", grad_x, cos, "grad_x");
+  check_no_overlap(op, "sin", grad_x, sin, "grad_x");
+  RopePlan plan;
+  const std::vector<int64_t> order = memory_order(grad_x);
+  const int64_t lead = grad.dim() - 1;
+  build_row_index(op, "grad_x", lead, grad_x.permute(order), plan.layout.out);
+  // grad comes from autograd in any layout (an expanded one from .sum(), say): read a
+  // contiguous copy where its rows are strided within or do not merge.
+  plan.in = grad;
+  if (grad.size(-1) > 1 && grad.stride(-1) != 1) plan.in = grad.contiguous();
+  if (!try_row_index(lead, plan.in.permute(order), plan.layout.in)) {
+    plan.in = grad.contiguous();
+    build_row_index(op, "grad", lead, plan.in.permute(order), plan.layout.in);
+  }
+  plan_rope_tables(op, cos, sin, grad.sizes(), order, plan.layout);
   return plan;
 }
 

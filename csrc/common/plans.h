@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "kernels/cross_entropy/params.h"
+#include "kernels/rope/layout.h"
 #include "kernels/row_layout.h"
 
 namespace mti {
@@ -35,6 +36,16 @@ struct CrossEntropyPlan {
   RowLayout logits;
   at::Tensor target;  // rows contiguous int64 values: the caller's, or a contiguous copy
   CrossEntropyParams params;
+};
+
+// rope_ and rope_backward: rows of the tensor read and of the one written (both x in the
+// forward), cos and sin broadcast to their shape. The leading dims are taken in the written
+// tensor's memory order (the rows an op runs through are the same whatever their order), so
+// that rows run through memory as it lies and the rows that share a row of cos and sin (the
+// heads of one position) come one after another.
+struct RopePlan {
+  RopeLayout layout;
+  at::Tensor in;  // the tensor read: x, grad, or a contiguous copy of grad; base of layout.in
 };
 
 struct NormPlan {
@@ -86,6 +97,18 @@ SoftmaxPlan plan_softmax(const char* op, const at::Tensor& x, int64_t dim, doubl
 CrossEntropyPlan plan_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
                                     int64_t ignore_index, int64_t reduction, double label_smoothing,
                                     const at::Tensor& losses);
+
+// rope_: x floating with an even last dim D, stride(-1) == 1 and no internal overlap; cos and
+// sin of x's dtype and device, last dim D with stride 1, broadcastable to x's shape, not
+// overlapping x.
+RopePlan plan_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// rope_backward: grad as rope_'s x (any strides: read from a contiguous copy where its last
+// dim is strided or its leading dims do not merge); cos and sin as rope_'s against grad;
+// grad_x of grad's shape, dtype and device, stride(-1) == 1, no internal overlap, overlapping
+// none of grad, cos and sin.
+RopePlan plan_rope_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& grad_x);
 
 // `op` is "layer_norm_" or "rms_norm_"; rms_norm_ passes no bias.
 NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normalized_shape,

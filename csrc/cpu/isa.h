@@ -1,12 +1,14 @@
-// The CPU row-wise kernels, compiled once per instruction set (vec_kernels.h, instantiated in
-// isa_avx2.cpp with AVX2 + FMA and in isa_base.cpp for any CPU), and the run-time choice
-// between them. The entry points (rowwise.cpp, rowwise_backward.cpp) call MTI_CPU_ISA_CALL.
+// The CPU kernels, compiled once per instruction set (vec_kernels.h and rope_kernels.h,
+// instantiated in isa_avx2.cpp with AVX2 + FMA and in isa_base.cpp for any CPU), and the
+// run-time choice between them. The entry points (rowwise.cpp, rowwise_backward.cpp,
+// rope.cpp) call MTI_CPU_ISA_CALL.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "kernels/rope/layout.h"
 #include "kernels/row_layout.h"
 
 // One overload per element type T; a mask is bool or T, nullptr for none.
@@ -24,11 +26,20 @@
   void norm_backward_rows(const T* y, const T* dy, T* dx, const BackwardRows& R, const T* weight,  \
                           const T* bias, const float* rstd, bool rms);
 
-#define MTI_CPU_ROWWISE_DECLS_ALL  \
-  MTI_CPU_ROWWISE_DECLS(float)     \
-  MTI_CPU_ROWWISE_DECLS(double)    \
-  MTI_CPU_ROWWISE_DECLS(c10::Half) \
-  MTI_CPU_ROWWISE_DECLS(c10::BFloat16)
+// rope_ (rope_kernels.h): the forward in place (in == out), or its backward out of place.
+#define MTI_CPU_ROPE_DECLS(T)                                                          \
+  void rope_rows(const T* in, T* out, const T* cos, const T* sin, const RopeLayout& L, \
+                 bool backward);
+
+#define MTI_CPU_DECLS_ALL              \
+  MTI_CPU_ROWWISE_DECLS(float)         \
+  MTI_CPU_ROWWISE_DECLS(double)        \
+  MTI_CPU_ROWWISE_DECLS(c10::Half)     \
+  MTI_CPU_ROWWISE_DECLS(c10::BFloat16) \
+  MTI_CPU_ROPE_DECLS(float)            \
+  MTI_CPU_ROPE_DECLS(double)           \
+  MTI_CPU_ROPE_DECLS(c10::Half)        \
+  MTI_CPU_ROPE_DECLS(c10::BFloat16)
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define MTI_CPU_HAVE_AVX2_BUILD 1
@@ -37,12 +48,12 @@
 namespace mti::cpu {
 
 namespace base {
-MTI_CPU_ROWWISE_DECLS_ALL
+MTI_CPU_DECLS_ALL
 }  // namespace base
 
 #ifdef MTI_CPU_HAVE_AVX2_BUILD
 namespace avx2 {
-MTI_CPU_ROWWISE_DECLS_ALL
+MTI_CPU_DECLS_ALL
 }  // namespace avx2
 #endif
 

@@ -1,4 +1,4 @@
-// The row-wise kernels compiled for AVX2 + FMA (isa.h runs them where the CPU has both).
+// The CPU kernels compiled for AVX2 + FMA (isa.h runs them where the CPU has both).
 // Everything that is not ATen's vec headers or these kernels is included first, compiled for
 // any CPU, so that no inline function shared with other files is built with AVX2 here. The
 // vec headers then see CPU_CAPABILITY AVX2, as in ATen's own AVX2 kernels, and put their types
@@ -12,6 +12,7 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -42,6 +43,7 @@
 #pragma GCC diagnostic pop
 
 #define MTI_CPU_ISA avx2
+#include "cpu/rope_kernels.h"
 #include "cpu/vec_kernels.h"
 #pragma GCC pop_options
 #undef __AVX__

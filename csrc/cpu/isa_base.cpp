@@ -1,4 +1,4 @@
-// The row-wise kernels for any CPU: ATen's portable Vectorized (fixed-size arrays that the
+// The CPU kernels for any CPU: ATen's portable Vectorized (fixed-size arrays that the
 // compiler vectorizes with the baseline instruction set), and the run-time choice of kernels.
 #include <ATen/Version.h>
 #pragma GCC diagnostic push
@@ -8,6 +8,7 @@
 #pragma GCC diagnostic pop
 
 #define MTI_CPU_ISA base
+#include "cpu/rope_kernels.h"
 #include "cpu/vec_kernels.h"
 
 namespace mti::cpu {

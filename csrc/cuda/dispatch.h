@@ -37,6 +37,12 @@ typename DeviceType<scalar_t>::type* device_ptr(const at::Tensor& t) {
   return reinterpret_cast<typename DeviceType<scalar_t>::type*>(t.data_ptr<scalar_t>());
 }
 
+// The same for a tensor the kernel only reads.
+template <typename scalar_t>
+const typename DeviceType<scalar_t>::type* const_device_ptr(const at::Tensor& t) {
+  return reinterpret_cast<const typename DeviceType<scalar_t>::type*>(t.const_data_ptr<scalar_t>());
+}
+
 }  // namespace mti::cuda
 
 // Runs the lambda body with scalar_t bound to float, at::Half or at::BFloat16.

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/tuning.h"
@@ -35,6 +36,26 @@ __device__ __forceinline__ __half from_float<__half>(float v) {
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
+}
+
+// The type a kernel that takes float64 too computes in: double for double, float otherwise.
+template <typename T>
+using acc_type_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename T>
+__device__ __forceinline__ acc_type_t<T> to_acc(T v) {
+  if constexpr (std::is_same_v<T, double>)
+    return v;
+  else
+    return to_float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_acc(acc_type_t<T> v) {
+  if constexpr (std::is_same_v<T, double>)
+    return v;
+  else
+    return from_float<T>(v);
 }
 
 // exp as accurate as the output type needs: __expf's relative error grows with |x| (about

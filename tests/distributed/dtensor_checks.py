@@ -19,6 +19,7 @@ from helpers import (
     ref_layer_norm,
     ref_log_softmax,
     ref_rms_norm,
+    ref_rope,
     ref_softmax,
     ref_square_matmul,
     seeds,
@@ -209,6 +210,44 @@ def row_ops_drawn_shapes(ctx):
     body()
 
 
+def _rope_cases():
+    """(placements of x (B, H, S, D), shape of cos and sin, their placements): heads sharded
+    with the tables replicated (tensor parallel), the sequence sharded with the tables sharded
+    on it too (sequence parallel), the batch with per-sequence tables."""
+    return [
+        ([Shard(1)], (6, 16), [Replicate()]),
+        ([Shard(1)], (1, 1, 6, 16), [Replicate()]),
+        ([Shard(2)], (6, 16), [Shard(0)]),
+        ([Shard(2)], (3, 1, 6, 16), [Shard(2)]),
+        ([Shard(0)], (3, 1, 6, 16), [Shard(0)]),
+        ([Shard(0)], (6, 16), [Replicate()]),
+        ([Replicate()], (3, 1, 6, 16), [Replicate()]),
+    ]
+
+
+@check
+def rope_values(ctx):
+    x = randn((3, 4, 6, 16), F32, "cpu", 80)
+    for placements, shape, table_placements in _rope_cases():
+        cos, sin = randn(shape, F32, "cpu", 81), randn(shape, F32, "cpu", 82)
+        truth, torch_out = references(ref_rope, x, cos, sin)
+        cd, sd = dt(ctx, cos, table_placements), dt(ctx, sin, table_placements)
+        out = run_in_place(mti.rope_, dt(ctx, x, placements), cd, sd)
+        assert_accurate(out, torch_out, truth, f"rope_ {placements} {shape} {table_placements}")
+    # A query as tensor parallelism makes it: the (B, S, H, D) projection sharded on heads,
+    # rotated through its transpose, in the projection's memory.
+    q = randn((3, 6, 4, 16), F32, "cpu", 83)
+    cos, sin = randn((6, 16), F32, "cpu", 84), randn((6, 16), F32, "cpu", 85)
+    truth, torch_out = references(ref_rope, q.transpose(1, 2), cos, sin)
+    qd = dt(ctx, q, [Shard(2)])
+    local = qd.to_local()
+    view = qd.transpose(1, 2)
+    rep = [Replicate()]
+    out = run_in_place(mti.rope_, view, dt(ctx, cos, rep), dt(ctx, sin, rep))
+    assert view.to_local().data_ptr() == local.data_ptr(), "the view's shard is not q's"
+    assert_accurate(out, torch_out, truth, "rope_ on a transposed query")
+
+
 # --------------------------------------------------------------------------- refusals
 
 
@@ -251,6 +290,44 @@ def refusals(ctx):
         dt(ctx, target, [Shard(1)]),
         reduction="sum",
         match="target",
+    )
+
+
+@check
+def rope_refusals(ctx):
+    x = randn((4, 4, 6, 16), F32, "cpu", 86)
+    cos, sin = randn((6, 16), F32, "cpu", 87), randn((6, 16), F32, "cpu", 88)
+    rep, seq = [Replicate()], [Shard(0)]
+    partial = DTensor.from_local(x.to(ctx.device).clone(), ctx.mesh, [Partial()])
+    tables = dt(ctx, cos, rep), dt(ctx, sin, rep)
+    refused(ctx, mti.rope_, dt(ctx, x, [Shard(3)]), *tables, match="rotated dim")
+    refused(ctx, mti.rope_, partial, *tables, match="Partial")
+    # The sequence sharded: replicated tables would be read from the wrong positions.
+    refused(ctx, mti.rope_, dt(ctx, x, [Shard(2)]), *tables, match="cos must be Shard(0)")
+    refused(
+        ctx,
+        mti.rope_,
+        dt(ctx, x, [Shard(2)]),
+        dt(ctx, cos, seq),
+        dt(ctx, sin, rep),
+        match="sin must be Shard(0)",
+    )
+    # Heads sharded, tables sharded on the sequence: each rank holds half the positions.
+    refused(
+        ctx,
+        mti.rope_,
+        dt(ctx, x, [Shard(1)]),
+        dt(ctx, cos, seq),
+        dt(ctx, sin, seq),
+        match="cos must be Replicate",
+    )
+    g = dt(ctx, randn((4, 4, 6, 16), F32, "cpu", 89), [Shard(1)])
+    grad_x = dt(ctx, torch.zeros(4, 4, 6, 16), [Shard(2)])
+    refused(
+        ctx,
+        lambda gx: torch.ops.make_torch_inplace.rope_backward(g, *tables, gx),
+        grad_x,
+        match="grad_x has placements",
     )
 
 
@@ -323,6 +400,21 @@ def autograd(ctx):
             for i, grad in enumerate(ours):
                 what = f"{name} {placements} grad {i}"
                 assert_accurate(_full(grad), torch_grads[i], truth[i], what)
+
+
+@check
+def rope_autograd(ctx):
+    x = randn((3, 4, 6, 16), F32, "cpu", 90)
+    g = randn((3, 4, 6, 16), F32, "cpu", 2**31 + 99)
+    cos, sin = randn((6, 16), F32, "cpu", 91), randn((6, 16), F32, "cpu", 92)
+    truth = _grads(lambda t: ref_rope(t, cos.double(), sin.double()), x.double(), [], g.double())
+    torch_grads = _grads(lambda t: ref_rope(t, cos, sin), x, [], g)
+    for placements, table_placements in (([Shard(1)], [Replicate()]), ([Shard(2)], [Shard(0)])):
+        cd, sd = dt(ctx, cos, table_placements), dt(ctx, sin, table_placements)
+        xd, gd = dt(ctx, x, placements), dt(ctx, g, placements)
+        ours = _grads(lambda t, cd=cd, sd=sd: mti.rope_(t, cd, sd), xd, [], gd)
+        assert ours[0].placements == tuple(placements), ours[0].placements
+        assert_accurate(_full(ours[0]), torch_grads[0], truth[0], f"rope_ {placements} grad")
 
 
 @check

@@ -1,20 +1,22 @@
-"""A 2-way tensor- and sequence-parallel post-norm attention block on DTensors whose softmax
-and LayerNorms run in place through the ops, against the same block in one process with
-PyTorch's ops (fp32, tight).
+"""A 2-way tensor- and sequence-parallel post-norm attention block on DTensors whose rotary
+embedding, softmax and LayerNorms run in place through the ops, against the same block in one
+process with PyTorch's ops (fp32, tight).
 
 Layout (Megatron's sequence parallelism): the residual stream is Shard(1) (sequence); q, k, v
 and the MLP's first layer are column-parallel (their input gathered), the attention's output
 projection and the MLP's second layer row-parallel with a reduce-scatter back to Shard(1).
-So the scores are sharded on heads (dim 0) for the causal softmax, and each LayerNorm runs on
-a sequence shard over the whole hidden dim, in place on the residual sum.
+So queries and keys are sharded on heads (dim 0) for the rotary embedding (its tables
+replicated), and so are the scores for the causal softmax; each LayerNorm runs on a sequence
+shard over the whole hidden dim, in place on the residual sum.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from helpers import ref_rope
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -60,6 +62,10 @@ class Block(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
         self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
         self.norm1, self.norm2 = Norm(inplace, self.calls), Norm(inplace, self.calls)
+        angles = torch.arange(SEQ)[:, None] * 0.3 ** torch.arange(D // HEADS // 2)[None, :]
+        angles = torch.cat((angles, angles), dim=-1)  # (SEQ, head_dim), as Llama's tables
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
 
     def heads(self, t):
         # (B, S, D) -> (heads, B, S, head_dim); on DTensors, Shard(2) becomes Shard(0). Heads
@@ -67,8 +73,20 @@ class Block(nn.Module):
         # which DTensor does without a gather.
         return t.view(BATCH, SEQ, HEADS, D // HEADS).permute(2, 0, 1, 3)
 
+    def rotary(self, t):
+        if not self.inplace:
+            return ref_rope(t, self.cos, self.sin)
+        cos, sin = self.cos, self.sin
+        if isinstance(t, DTensor):  # the tables replicated on every rank
+            cos, sin = (
+                DTensor.from_local(c, t.device_mesh, [Replicate()], run_check=False)
+                for c in (cos, sin)
+            )
+        return in_place(self.calls, mti.rope_, t, cos, sin)
+
     def attention(self, x):
         q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
+        q, k = self.rotary(q), self.rotary(k)
         scores = q @ k.transpose(-2, -1)
         scale = (D // HEADS) ** -0.5
         if self.inplace:
@@ -124,10 +142,12 @@ def tensor_sequence_parallel_block(ctx):
     out = block(xd)
     assert isinstance(out, DTensor) and out.placements == (Shard(1),), out
     (out * gd).sum().backward()
-    # The softmax ran on head shards (dim 0 of the scores), the norms on sequence shards (dim 1
-    # of the residual), each with no collective.
+    # The rotary embedding ran on head shards of q and k (dim 0), the softmax on head shards
+    # of the scores, the norms on sequence shards (dim 1 of the residual), each with no
+    # collective.
     shard0, shard1 = ("DTensor", (Shard(0),)), ("DTensor", (Shard(1),))
-    expected_calls = [("softmax_", *shard0), 0] + [("layer_norm_", *shard1), 0] * 2
+    expected_calls = [("rope_", *shard0), 0] * 2 + [("softmax_", *shard0), 0]
+    expected_calls += [("layer_norm_", *shard1), 0] * 2
     assert block.calls == expected_calls, block.calls
 
     expected = reference(x.clone()).detach()

@@ -26,22 +26,6 @@ constexpr int64_t kMaxTargetCtas = 1024;
 // Enough CTAs to fill any GPU many times over; each walks rows grid-stride.
 constexpr int64_t kMaxRowCtas = 1 << 16;
 
-template <typename T>
-__device__ __forceinline__ cross_entropy_acc_t<T> to_acc(T v) {
-  if constexpr (std::is_same_v<T, double>)
-    return v;
-  else
-    return to_float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_acc(cross_entropy_acc_t<T> v) {
-  if constexpr (std::is_same_v<T, double>)
-    return v;
-  else
-    return from_float<T>(v);
-}
-
 // exp for the row statistics, whose loss is float32 (float64): accurate expf (exp), never
 // __expf, whose error grows with |x| and would show in the loss.
 template <typename T>
