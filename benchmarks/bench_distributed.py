@@ -7,7 +7,8 @@ sharded parameters. One step = forward with labels + backward + AdamW step +
 zero_grad(set_to_none=True); each rank trains batch 1 on its own random ids (seeded by rank).
 
 Variants: sdpa (the HF SDPA model, unconverted), convert (mti.convert after fully_shard),
-convert-nologits (mti.convert(model, drop_outputs=("logits",))) and liger (Liger-Kernel's
+convert-nologits and convert-recompute (mti.convert with bench_train's options of those
+names) and liger (Liger-Kernel's
 patch, applied before fully_shard; skipped where liger_kernel does not import). A variant that
 raises on any rank is recorded with "error" on both: after each phase every rank learns every
 rank's outcome, and a variant that failed anywhere goes no further.
@@ -51,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import make_torch_inplace as mti
 from benchmarks.bench_train import (
+    CONVERT_OPTIONS,
     FULL,
     GOAL_MIN_SEQ,
     TINY,
@@ -76,9 +78,9 @@ WORLD = 2
 RESULTS_SUFFIX = f"x{WORLD}"  # benchmarks/results/h200x2 on two H200s
 NAME = "distributed"
 MODEL = "llama"
-VARIANTS = ["sdpa", "liger", "convert", "convert-nologits"]
+VARIANTS = ["sdpa", "liger", "convert", "convert-nologits", "convert-recompute"]
 REFERENCE = "sdpa"
-OURS = ("convert", "convert-nologits")
+OURS = ("convert", "convert-nologits", "convert-recompute")
 SEQS = [4096, 8192]
 TINY_SEQS = [64]
 LOSS_STEP = 3  # the loss recorded is this step's; the steps before it warm up
@@ -101,10 +103,8 @@ class DistRun:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.call = self.model
-        if variant == "convert":
-            self.call = mti.convert(self.model)
-        elif variant == "convert-nologits":
-            self.call = mti.convert(self.model, drop_outputs=("logits",))
+        if variant in OURS:
+            self.call = mti.convert(self.model, **CONVERT_OPTIONS[variant])
         self.opt = torch.optim.AdamW(self.model.parameters())
         self.unconverted = 0  # steps whose forward ran none of convert's graphs
 

@@ -19,7 +19,9 @@ always run), compile (torch.compile of the SDPA model), liger (Liger-Kernel's
 apply_liger_kernel_to_llama on the SDPA model: Llama only; skipped with the reason elsewhere
 or where liger_kernel does not import), convert (mti.convert of the SDPA model),
 convert-nologits (mti.convert(model, drop_outputs=("logits",)): no logits returned, as Liger's
-fused linear cross entropy in training) and convert+compile
+fused linear cross entropy in training), convert-recompute (the same with
+recompute=("mlp",): a SwiGLU MLP's gate and up projections computed again in the backward;
+as convert-nologits on GPT-2 and BERT) and convert+compile
 (torch.compile(mti.convert(model)): the converted module is a graph break for the outer
 compile, so it runs as convert). A variant that raises (OOM, a refusal, a
 compile error) is recorded with "error" and the sweep goes on.
@@ -80,9 +82,25 @@ from benchmarks.common import (
 )
 
 MODELS = ["llama", "llama-lora", "gpt2", "bert"]
-VARIANTS = ["eager", "sdpa", "compile", "liger", "convert", "convert-nologits", "convert+compile"]
+VARIANTS = [
+    "eager",
+    "sdpa",
+    "compile",
+    "liger",
+    "convert",
+    "convert-nologits",
+    "convert-recompute",
+    "convert+compile",
+]
 REFERENCE = "sdpa"
-OURS = ("convert", "convert-nologits", "convert+compile")
+OURS = ("convert", "convert-nologits", "convert-recompute", "convert+compile")
+# mti.convert's options in each converted variant (convert+compile: convert's, compiled).
+CONVERT_OPTIONS = {
+    "convert": {},
+    "convert-nologits": {"drop_outputs": ("logits",)},
+    "convert-recompute": {"drop_outputs": ("logits",), "recompute": ("mlp",)},
+    "convert+compile": {},
+}
 SEQS = [2048, 4096, 8192]
 TINY_SEQS = [64]
 LORA_RANK, LORA_ALPHA = 16, 32.0
@@ -281,12 +299,10 @@ class Run:
             self.context = apply_liger(liger, self.model)
         elif variant == "compile":
             self.call = torch.compile(self.model)
-        elif variant == "convert":
-            self.call = mti.convert(self.model)
-        elif variant == "convert-nologits":
-            self.call = mti.convert(self.model, drop_outputs=("logits",))
         elif variant == "convert+compile":
             self.call = torch.compile(mti.convert(self.model))
+        elif variant in CONVERT_OPTIONS:
+            self.call = mti.convert(self.model, **CONVERT_OPTIONS[variant])
         self.trainable = [(k, p) for k, p in self.model.named_parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW([p for _, p in self.trainable])
 

@@ -40,7 +40,7 @@ def test_every_variant_is_recorded_with_every_field(records):
         )
 
 
-@pytest.mark.parametrize("variant", ["sdpa", "convert", "convert-nologits"])
+@pytest.mark.parametrize("variant", ["sdpa", *bench_distributed.OURS])
 def test_variant_trains(records, variant):
     r = records[variant]
     assert r["error"] is None and r["skipped"] is None
@@ -51,7 +51,7 @@ def test_variant_trains(records, variant):
     assert r["peak_extra_bytes"] > 0  # CUDA's allocator, or the CPU profiler's events
 
 
-@pytest.mark.parametrize("variant", ["convert", "convert-nologits"])
+@pytest.mark.parametrize("variant", bench_distributed.OURS)
 def test_converted_loss_matches_sdpa(records, variant):
     # Same weights, same batch per rank: convert computes the same function, which fp32
     # shows tightly; with two GPUs the run is bf16, whose rounding differs between the two

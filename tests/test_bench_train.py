@@ -28,7 +28,8 @@ def records(tmp_path_factory):
             mp.setenv("MTI_RESULTS_DIR", str(out))
             bench_train.main(
                 ["--tiny", "--device", "cpu", "--models", "llama", "--variants", "eager"]
-                + ["sdpa", "convert", "--steps", "2", "--loss-steps", str(LOSS_STEPS)]
+                + ["sdpa", "convert", "convert-recompute"]
+                + ["--steps", "2", "--loss-steps", str(LOSS_STEPS)]
             )
     finally:
         torch.set_num_threads(threads)
@@ -37,7 +38,7 @@ def records(tmp_path_factory):
 
 
 def test_records_have_every_field(records):
-    assert set(records) == {"eager", "sdpa", "convert"}
+    assert set(records) == {"eager", "sdpa", "convert", "convert-recompute"}
     for r in records.values():
         assert r.keys() >= FIELDS
         assert (r["pass"], r["model"], r["seq"], r["batch"]) == ("train_step", "llama", 64, 1)
@@ -65,8 +66,9 @@ def test_eager_matches_sdpa(records):
     assert eager["loss_after_steps"] == pytest.approx(sdpa["loss_after_steps"], rel=1e-5)
 
 
-def test_convert_trains_as_the_model(records):
-    r, sdpa = records["convert"], records["sdpa"]
+@pytest.mark.parametrize("variant", ["convert", "convert-recompute"])
+def test_convert_trains_as_the_model(records, variant):
+    r, sdpa = records[variant], records["sdpa"]
     assert r["error"] is None
     assert r["max_grad_diff"] <= 1e-5 * sdpa["max_grad_ref"]
     assert r["loss"] == pytest.approx(sdpa["loss"], rel=1e-5)

@@ -38,7 +38,8 @@ arithmetic and activations (-> PyTorch's own ``mul_``, ``add_``, ``tanh_``, ...)
 batched matmul whose left operand is dead and at least as wide as the product (attention's
 ``probs @ v`` -> matmul_over_left, the product written over the probabilities), and
 F.cross_entropy over dead float32/64 logits (-> cross_entropy_, the logits becoming their
-gradient). Module
+gradient), and Hugging Face's written-out rotary embedding over a dead query or key (-> rope_).
+Module
 forms (nn.Linear, nn.Softmax, ...) reach the backend as these functions, since Dynamo inlines
 torch.nn modules.
 
@@ -70,7 +71,8 @@ raise that peak runs as captured.
 
 Modules: runtime (ConvertedModule, its backend and its calls), rewrite (the rewriter), report
 (Site and GraphReport), liveness (aliasing groups and their last reads), saves (what autograd
-saves), fuse (op sequences that are one op: Hugging Face's written-out RMSNorm and GELU),
+saves), fuse (op sequences that are one op: Hugging Face's written-out RMSNorm, GELU and rotary
+embedding),
 patterns (the ops recognised and their arguments), constants (constant masks), fake (what
 example values tell), pieces (the helpers rewritten graphs call), _compat (every private
 PyTorch API used, with its fallback).
@@ -88,11 +90,16 @@ from .pieces import (
     linear_of_gelu,
     linear_of_silu_mul,
     matmul_over_left,
+    rope,
     silu_mul,
     square_matmul_over_dead,
+    swiglu_recomputed,
 )
 from .report import Site
 from .runtime import ConvertedModule
+
+# The names convert's `recompute` takes.
+RECOMPUTABLE = ("mlp",)
 
 __all__ = [
     "ConvertedModule",
@@ -103,13 +110,18 @@ __all__ = [
     "linear_of_gelu",
     "linear_of_silu_mul",
     "matmul_over_left",
+    "rope",
     "silu_mul",
     "square_matmul_over_dead",
+    "swiglu_recomputed",
 ]
 
 
 def convert(
-    model: nn.Module, verbose: bool = False, drop_outputs: Sequence[str] = ()
+    model: nn.Module,
+    verbose: bool = False,
+    drop_outputs: Sequence[str] = (),
+    recompute: Sequence[str] = (),
 ) -> ConvertedModule:
     """Returns a module computing `model`'s forward with ops run in place where that is safe.
 
@@ -135,9 +147,24 @@ def convert(
     ModelOutput) that the result returns as None, so that they are dead inside: with
     ``("logits",)``, a causal LM trained on its loss never holds its logits whole
     (linear_cross_entropy), as Liger-Kernel's fused linear cross entropy does.
+
+    ``recompute``: what the backward computes again instead of autograd keeping it, trading
+    time for memory where autograd records. ``("mlp",)``: a SwiGLU MLP (Llama's) keeps its
+    input alone, which its norm keeps anyway, and its backward computes the gate and up
+    projections again: two tensors of the MLP's width fewer per token and layer, for two
+    more products per layer (swiglu_recomputed).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(drop_outputs, str):
         raise TypeError("convert: drop_outputs is a sequence of names, e.g. ('logits',)")
-    return ConvertedModule(model, verbose=verbose, drop_outputs=tuple(drop_outputs))
+    if isinstance(recompute, str):
+        raise TypeError("convert: recompute is a sequence of names, e.g. ('mlp',)")
+    unknown = set(recompute) - set(RECOMPUTABLE)
+    if unknown:
+        raise ValueError(
+            f"convert: recompute takes names from {RECOMPUTABLE}, got {sorted(unknown)}"
+        )
+    return ConvertedModule(
+        model, verbose=verbose, drop_outputs=tuple(drop_outputs), recompute=tuple(recompute)
+    )

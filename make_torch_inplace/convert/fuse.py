@@ -18,6 +18,14 @@ GPT-2's GELU (transformers' NewGELUActivation), written out as eight ops:
 
 is F.gelu(x, approximate="tanh"): one op, which saves x alone where autograd records (the
 written-out form saves x, the tanh, 0.5 * x and 1 + tanh), rounding once.
+
+Rotary position embedding as Hugging Face models write it out (Llama and its kin, GPT-NeoX):
+
+    x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin      (h = D / 2)
+
+seven ops over x's size (the products by a broadcast cos and sin are strided, slow kernels),
+is pieces.rope: one pass, which the rewriter runs as rope_ over a dead x (a query or key
+projection), rounding once.
 """
 
 from __future__ import annotations
@@ -29,13 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from .fake import _tensor
+from .fake import _same_layout, _tensor
 from .patterns import _is_number
+from .pieces import rope
 
 
 def fuse(graph: fx.Graph) -> None:
-    """Replaces each written-out RMSNorm in `graph` by F.rms_norm, and each written-out tanh
-    GELU by F.gelu(x, approximate="tanh")."""
+    """Replaces each written-out RMSNorm in `graph` by F.rms_norm, each written-out tanh GELU
+    by F.gelu(x, approximate="tanh"), and each written-out rotary embedding by rope."""
     for node in list(graph.nodes):
         found = _rms_norm_chain(node)
         if found is not None:
@@ -46,6 +55,11 @@ def fuse(graph: fx.Graph) -> None:
         if found is not None:
             x, chain = found
             _replace(node, F.gelu, (x,), {"approximate": "tanh"}, chain)
+            continue
+        found = _rope_chain(node)
+        if found is not None:
+            x, cos, sin, chain = found
+            _replace(node, rope, (x, cos, sin), {}, chain)
 
 
 def _replace(node: fx.Node, fn, args, kwargs, chain: list[fx.Node]) -> None:
@@ -184,3 +198,98 @@ def _gelu_tanh_chain(out: fx.Node):
         if all(len(n.users) == 1 for n in chain[1:]) and _tensor(x) is not None:
             return x, chain
     return None
+
+
+_CAT = (torch.cat, torch.concat, torch.concatenate)
+_NEG = (operator.neg, torch.neg, "neg")
+
+
+def _rope_chain(out: fx.Node):
+    """(x, cos, sin, the chain's nodes) if `out` ends a written-out rotary embedding (module
+    docstring) of a D-wide x (D even, known at capture) with cos and sin of x's dtype that
+    autograd does not differentiate, whose intermediate values only the next op reads; else
+    None."""
+    if not _call(out, _ADD, 2):
+        return None
+    for direct, rotated in (out.args, reversed(out.args)):
+        if not (_call(direct, _MUL, 2) and _call(rotated, _MUL, 2)):
+            continue
+        for x, cos in (direct.args, reversed(direct.args)):
+            for cat, sin in (rotated.args, reversed(rotated.args)):
+                halves = _rotated_halves(cat, x)
+                if halves is None:
+                    continue
+                chain = [out, direct, rotated, cat, *halves]
+                if all(len(n.users) == 1 for n in chain[1:]) and _rope_operands_ok(
+                    x, cos, sin, out
+                ):
+                    return x, cos, sin, chain
+    return None
+
+
+def _rotated_halves(cat, x):
+    """[neg, x2, x1] if `cat` is torch.cat((-x2, x1), dim=-1) with x1 = x[..., :h] and
+    x2 = x[..., h:] for h half x's last dim, else None."""
+    if not (
+        isinstance(cat, fx.Node)
+        and cat.op == "call_function"
+        and cat.target in _CAT
+        and len(cat.args) == 1
+        and cat.kwargs in ({"dim": -1}, {"axis": -1})
+        and isinstance(cat.args[0], (tuple, list))
+        and len(cat.args[0]) == 2
+    ):
+        return None
+    neg, x1 = cat.args[0]
+    if not _call(neg, _NEG, 1):
+        return None
+    x2 = neg.args[0]
+    t = _tensor(x)
+    if t is None or not isinstance(t.shape[-1], int) or t.shape[-1] % 2:
+        return None
+    h = t.shape[-1] // 2
+    if _half(x1, x) != slice(None, h, None) or _half(x2, x) != slice(h, None, None):
+        return None
+    return [neg, x2, x1]
+
+
+def _half(node, x):
+    """The slice s if node is x[..., s], else None."""
+    if not (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target is operator.getitem
+        and node.args[0] is x
+    ):
+        return None
+    index = node.args[1]
+    if not (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis):
+        return None
+    s = index[1]
+    if not isinstance(s, slice) or s.step is not None:
+        return None
+    # A bound computed from sizes is a node; its example value is an int where x's last dim
+    # is known at capture.
+    bounds = [
+        b.meta.get("example_value") if isinstance(b, fx.Node) else b for b in (s.start, s.stop)
+    ]
+    if not all(b is None or type(b) is int for b in bounds):
+        return None
+    return slice(*bounds)
+
+
+def _rope_operands_ok(x, cos, sin, out) -> bool:
+    t, c, s, o = (_tensor(n) for n in (x, cos, sin, out))
+    if t is None or c is None or s is None or o is None:
+        return False
+    return (
+        t.dtype == c.dtype == s.dtype == o.dtype
+        and t.dtype.is_floating_point
+        and t.device == c.device == s.device
+        and not (c.requires_grad or s.requires_grad)
+        and t.stride(-1) == 1
+        and c.stride(-1) == 1
+        and s.stride(-1) == 1
+        and c.shape[-1] == s.shape[-1] == t.shape[-1]
+        and _same_layout(t, o)
+    )

@@ -14,6 +14,7 @@ from torch import fx
 from . import _compat
 from .constants import _Constants
 from .fake import _inplace_ok, _tensor
+from .pieces import rope
 
 # Parameter names of each recognised function or Tensor method, in positional order.
 _SOFTMAX_F = ("input", "dim", "_stacklevel", "dtype")
@@ -72,6 +73,7 @@ _FUNCTIONS: dict[Callable, tuple[str, tuple[str, ...]]] = {
     torch.where: ("where", _WHERE),
     F.scaled_dot_product_attention: ("sdpa", _SDPA),
     F.cross_entropy: ("cross_entropy", _CROSS_ENTROPY),
+    rope: ("rope", ("input", "cos", "sin")),
     **{getattr(torch, name): (name, _UNARY) for name in _UNARY_NAMES},
 }
 
@@ -122,6 +124,7 @@ _DEFAULTS: dict[str, dict[str, object]] = {
         "scale": None,
         "enable_gqa": False,
     },
+    "rope": {},
     **{name: {} for name in _UNARY_NAMES if name != "relu"},
 }
 

@@ -123,6 +123,13 @@ def attention_in_pieces(
     return out
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin (Hugging Face's rotary position embedding, see fuse.py)
+    as one op, into a new tensor of x's layout: rope_ over a copy of x. The rewriter runs
+    rope_ over x itself where x is dead."""
+    return ops.rope_(x.clone(), cos, sin)
+
+
 def silu_mul(g: torch.Tensor, u: torch.Tensor, consume: bool = False) -> torch.Tensor:
     """F.silu(g) * u (a SwiGLU MLP's gate times its up projection) for g and u of one shape and
     dtype, saving only g and u for the backward, which computes silu(g) again: autograd would
@@ -219,6 +226,18 @@ def linear_of_gelu(x, weight, bias=None, approximate="none", consume=False):
     return _LinearOfActivation.apply(value, grads, over, weight, bias, x)
 
 
+def _linear_into_new(act, weight, bias):
+    """F.linear(act, weight, bias) into a tensor of its own (F.linear of a 3-d input returns a
+    view, which autograd does not let later in-place ops write through)."""
+    out = act.new_empty((*act.shape[:-1], weight.shape[0]))
+    rows, out_rows = act.reshape(-1, act.shape[-1]), out.view(-1, weight.shape[0])
+    if bias is None:
+        torch.mm(rows, weight.t(), out=out_rows)
+    else:
+        torch.addmm(bias, rows, weight.t(), out=out_rows)
+    return out
+
+
 class _LinearOfActivation(torch.autograd.Function):
     """F.linear(value(*inputs), weight, bias), saving the inputs and not value's result;
     grads(grad_value, *inputs) gives the inputs' gradients, and grads_over (None: none) the
@@ -229,16 +248,7 @@ class _LinearOfActivation(torch.autograd.Function):
         ctx.save_for_backward(weight, *inputs)
         ctx.grads, ctx.grads_over, ctx.value = grads, grads_over, value
         ctx.has_bias = bias is not None
-        act = value(*inputs)
-        # Into a tensor of the output's own (F.linear of a 3-d input returns a view, which
-        # autograd does not let later in-place ops write through).
-        out = act.new_empty((*act.shape[:-1], weight.shape[0]))
-        rows, out_rows = act.reshape(-1, act.shape[-1]), out.view(-1, weight.shape[0])
-        if bias is None:
-            torch.mm(rows, weight.t(), out=out_rows)
-        else:
-            torch.addmm(bias, rows, weight.t(), out=out_rows)
-        return out
+        return _linear_into_new(value(*inputs), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -260,6 +270,60 @@ class _LinearOfActivation(torch.autograd.Function):
             else:
                 grad_inputs = ctx.grads(grad_act, *inputs)
         return None, None, None, grad_w, grad_b, *grad_inputs
+
+
+def swiglu_recomputed(
+    x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None
+):
+    """A SwiGLU MLP, F.linear(silu(g) * u, down_weight, down_bias) with g = F.linear(x,
+    gate_weight, gate_bias) and u = F.linear(x, up_weight, up_bias), saving x and the weights
+    alone: the backward computes g and u again (two more products) instead of keeping two
+    tensors of the MLP's width per token (convert's ``recompute=("mlp",)``)."""
+    return _SwiGLURecomputed.apply(
+        x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias
+    )
+
+
+class _SwiGLURecomputed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias):
+        ctx.save_for_backward(x, gate_weight, gate_bias, up_weight, up_bias, down_weight)
+        g, u = F.linear(x, gate_weight, gate_bias), F.linear(x, up_weight, up_bias)
+        act = F.silu(g, inplace=True).mul_(u)  # over g: ours, read by nothing else
+        del g, u
+        return _linear_into_new(act, down_weight, down_bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gate_weight, gate_bias, up_weight, up_bias, down_weight = ctx.saved_tensors
+        want_x, want_wg, want_bg, want_wu, want_bu, want_wd, want_bd = ctx.needs_input_grad
+        g, u = F.linear(x, gate_weight, gate_bias), F.linear(x, up_weight, up_bias)
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_wd = grad_bd = None
+        if want_wd:
+            act = _silu_mul_value(g, u)
+            grad_wd = rows.t() @ act.reshape(-1, act.shape[-1])
+            del act
+        if want_bd:
+            grad_bd = rows.sum(0)
+        grad_act = grad @ down_weight
+        # g and u are this backward's own: their gradients go over them.
+        if _can_write_over(grad_act, (g, u)):
+            grad_g, grad_u = _silu_mul_grads_over(grad_act, g, u)
+        else:
+            grad_g, grad_u = _silu_mul_grads(grad_act, g, u)
+        del grad_act
+        width = grad_g.shape[-1]
+        g_rows, u_rows = grad_g.reshape(-1, width), grad_u.reshape(-1, width)
+        x_rows = x.reshape(-1, x.shape[-1])
+        grad_x = None
+        if want_x:
+            grad_x = (g_rows @ gate_weight).addmm_(u_rows, up_weight).view(x.shape)
+        grad_wg = g_rows.t() @ x_rows if want_wg else None
+        grad_wu = u_rows.t() @ x_rows if want_wu else None
+        grad_bg = g_rows.sum(0) if want_bg else None
+        grad_bu = u_rows.sum(0) if want_bu else None
+        return grad_x, grad_wg, grad_bg, grad_wu, grad_bu, grad_wd, grad_bd
 
 
 def linear_cross_entropy(

@@ -45,6 +45,7 @@ from .pieces import (
     matmul_over_left,
     silu_mul,
     square_matmul_over_dead,
+    swiglu_recomputed,
 )
 from .report import GraphReport, Site, _mib, _where
 from .saves import inplace_saves, recording, saved_values
@@ -54,11 +55,12 @@ def _rewrite_graph(
     gm: fx.GraphModule,
     report: Callable[[str], None] | None = None,
     constants: _Constants | None = None,
+    recompute: Sequence[str] = (),
 ) -> GraphReport | None:
     """Rewrites a Dynamo graph in place (see the package's docstring); returns what it did,
     None if the graph was left unchanged because its aliasing is unknown. `constants`: the
     graph's _Constants, which says for which sizes masks are evaluated (default: the traced
-    example's)."""
+    example's). `recompute`: convert's option of that name."""
     blocker = _unanalyzable_node(gm.graph)
     if blocker is not None:
         if report:
@@ -88,7 +90,7 @@ def _rewrite_graph(
     constants = _Constants(gm.graph) if constants is None else constants
     sites = [_fold_sdpa_mask(node, constants) for node in list(gm.graph.nodes)]
     dropped = [_drop_mask_keeping_all(node, constants) for node in list(gm.graph.nodes)]
-    rewriter = _Rewriter(gm.graph, constants, saves)
+    rewriter = _Rewriter(gm.graph, constants, saves, recompute)
     for site, old, kept in filter(None, dropped):
         rewriter.live.merge(old, kept)  # the same tensor now
         sites.append(site)
@@ -128,10 +130,17 @@ class _Rewriter:
     whose in-place form would save a copy of its input stay as they are, and products of
     batched matrices (attention's) are left to autograd, which saves their operands."""
 
-    def __init__(self, graph: fx.Graph, constants: _Constants, saves: dict | None = None) -> None:
+    def __init__(
+        self,
+        graph: fx.Graph,
+        constants: _Constants,
+        saves: dict | None = None,
+        recompute: Sequence[str] = (),
+    ) -> None:
         self.graph = graph
         self.constants = constants
         self.training = saves is not None
+        self.recompute_mlp = "mlp" in recompute
         self.live = _Liveness(graph, saves)
         self.sites: list[Site] = []
         # softmax_ nodes of the first pass -> their sites, which attention_in_pieces takes over
@@ -219,6 +228,8 @@ class _Rewriter:
             self._cross_entropy(node, a)
         elif family == "where":
             self._where(node, a)
+        elif family == "rope":
+            self._rope(node, a)
 
     def _where(self, node, a) -> None:
         """torch.where(keep, x, fill) -> x.masked_fill_(~keep, fill) for a dead x and a
@@ -247,6 +258,21 @@ class _Rewriter:
         if keeps:
             self._keeps_output(new)
         self._site(torch.Tensor.masked_fill_, ["where"], node, node)
+
+    def _rope(self, node, a) -> None:
+        """fuse.py's rotary embedding over a dead x (a query or key projection) -> rope_
+        written over it; its backward needs cos and sin alone."""
+        x, cos, sin = a["input"], a["cos"], a["sin"]
+        t = _tensor(x)
+        if (
+            t is None
+            or not _inplace_ok(t, _tensor(node), mti_op=False)
+            or not self.live.dead_after(x, self.live.pos[node])
+            or not self.live.disjoint(x, [cos, sin])
+        ):
+            return
+        self._replace(node, ops.rope_, (x, cos, sin), {}, x)
+        self._site(ops.rope_, ["rope"], node, node)
 
     def _elementwise(self, node, family, a) -> None:
         if self.training and family == "mul" and self._silu_mul(node, a):
@@ -346,6 +372,8 @@ class _Rewriter:
                 return
             x, weight, bias, fn = a["mat1"], a["mat2"], a["input"], ops.square_matmul_
         t, w = _tensor(x), _tensor(weight)
+        if self.training and self._recomputed_mlp(node, x, weight, bias, family):
+            return
         if self.training and self._linear_of_activation(node, x, weight, bias, family):
             return
         if self.training and (w is None or w.requires_grad or w.dim() >= 3):
@@ -380,6 +408,50 @@ class _Rewriter:
                 node, square_matmul_over_dead, (x, weight, bias, family == "linear"), {}, x
             )
             self._site(fn, [family], node, node)
+
+    def _recomputed_mlp(self, node, p, weight, bias, family) -> bool:
+        """With recompute=("mlp",), where autograd records: F.linear(silu_mul(g, u), W, b)
+        with g and u linears of one x, read by nothing else -> swiglu_recomputed, which
+        saves x and computes g and u again in the backward. Returns whether it rewrote."""
+        if not (
+            self.recompute_mlp
+            and family == "linear"
+            and isinstance(p, fx.Node)
+            and p.op == "call_function"
+            and p.target is silu_mul
+            and len(p.users) == 1
+        ):
+            return False
+        projections = []
+        for proj in p.args[:2]:
+            m = _match(proj, ("linear",)) if isinstance(proj, fx.Node) else None
+            if m is None or len(proj.users) != 1:
+                return False
+            projections.append(m[1])
+        (gate, up), x = projections, projections[0]["input"]
+        tensors = [_tensor(v) for v in (x, gate["weight"], up["weight"], weight)]
+        if (
+            up["input"] is not x
+            or any(t is None for t in tensors)
+            or len({t.dtype for t in tensors}) != 1
+            or any(t.dim() != 2 for t in tensors[1:])
+        ):
+            return False
+        args = (x, gate["weight"], up["weight"], weight, gate["bias"], up["bias"], bias)
+        g, u = p.args[:2]
+        new = self._substitute(node, swiglu_recomputed, args, {}, erase=[p, g, u])
+        self.live.mark_saved(x, new)
+        absorbed = self._silu_mul_sites.pop(p, None)
+        if absorbed is not None:
+            self.sites.remove(absorbed)
+        site = self._site(swiglu_recomputed, ["linear", "linear", "silu -> mul", family], new, new)
+        self.sites[-1] = dataclasses.replace(
+            site,
+            op=f"{site.op} (recomputes g and u)",
+            nbytes=0,
+            parts=(absorbed,) if absorbed else (),
+        )
+        return True
 
     def _linear_of_activation(self, node, p, weight, bias, family) -> bool:
         """Where autograd records: a linear (or GPT-2's addmm over a view) of silu_mul(g, u) or

@@ -68,11 +68,15 @@ class ConvertedModule(nn.Module):
     """`module` with its forward rewritten to run ops in place; made by convert()."""
 
     def __init__(
-        self, module: nn.Module, verbose: bool = False, drop_outputs: tuple[str, ...] = ()
+        self,
+        module: nn.Module,
+        verbose: bool = False,
+        drop_outputs: tuple[str, ...] = (),
+        recompute: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         self.module = module
-        self._backend = _Backend(verbose)
+        self._backend = _Backend(verbose, recompute)
         # _input_signature of each call captured so far, and how many of this converted
         # module's graphs that call ran (one, or more where Dynamo split the forward), or
         # _THROUGH_COMPILE.
@@ -190,8 +194,9 @@ class _Backend:
     """The torch.compile backend of one converted module. Dynamo's caches keep it alive, so
     it holds no reference to the module (whose parameters reach the graphs as inputs)."""
 
-    def __init__(self, verbose: bool) -> None:
+    def __init__(self, verbose: bool, recompute: tuple[str, ...] = ()) -> None:
         self.verbose = verbose
+        self.recompute = recompute
         self.reports: list[GraphReport] = []
         self.graph_calls = 0  # calls of the graphs it returned, which ConvertedModule reads
 
@@ -216,7 +221,9 @@ class _Backend:
     def rewrite(self, gm: fx.GraphModule, constants: _Constants) -> Callable:
         """gm rewritten in place, for the sizes `constants` evaluates masks for; its forward."""
         report = print if self.verbose else None
-        result = rewrite._rewrite_graph(gm, report=report, constants=constants)
+        result = rewrite._rewrite_graph(
+            gm, report=report, constants=constants, recompute=self.recompute
+        )
         if result is not None:
             self.reports.append(result)
         _compat.generate_code(gm)  # gm.forward is then the generated function itself
