@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from convert_helpers import D, ops_of
-from helpers import assert_accurate, randn
-from test_convert_train import _llama, _saved_bytes, check_training
+from helpers import randn
+from test_convert_train import _llama, _saved_bytes, check_against_fp64, check_training
 
 import make_torch_inplace as mti
 from make_torch_inplace.convert import swiglu_recomputed
@@ -38,21 +38,7 @@ def test_swiglu_recomputed(dtype, bias, frozen):
         for t in args[1:]:
             if t is not None:
                 t.requires_grad_()
-    wanted = [t for t in args if t is not None and t.requires_grad]
-    args64 = [
-        t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in args
-    ]
-    wanted64 = [t for t in args64 if t is not None and t.requires_grad]
-    out64 = _swiglu(*args64)
-    grad = randn(out64.shape, dtype, "cpu", seed=9)
-    grads64 = torch.autograd.grad(out64, wanted64, grad.double())
-    out_t = _swiglu(*args)
-    grads_t = torch.autograd.grad(out_t, wanted, grad)
-    out = swiglu_recomputed(*args)
-    grads = torch.autograd.grad(out, wanted, grad)
-    assert_accurate(out.detach(), out_t.detach(), out64.detach(), "value")
-    for i, (g, t, r) in enumerate(zip(grads, grads_t, grads64)):
-        assert_accurate(g, t, r, f"grad #{i}")
+    check_against_fp64(swiglu_recomputed, _swiglu, args, dtype)
 
 
 @pytest.mark.parametrize("frozen", [False, True])

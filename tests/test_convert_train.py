@@ -377,6 +377,26 @@ _RECOMPUTING = {
 }
 
 
+def check_against_fp64(ours, reference, args, dtype):
+    """ours(*args) and its gradients for the args that require grad (None args pass through)
+    against reference(*args) in fp64, PyTorch's in `dtype` as the yardstick."""
+    args64 = [
+        a.detach().double().requires_grad_(a.requires_grad) if a is not None else None for a in args
+    ]
+    wanted = [a for a in args if a is not None and a.requires_grad]
+    wanted64 = [a for a in args64 if a is not None and a.requires_grad]
+    out64 = reference(*args64)
+    grad = randn(out64.shape, dtype, "cpu", seed=3)
+    grads64 = torch.autograd.grad(out64, wanted64, grad.double())
+    out_t = reference(*args)
+    grads_t = torch.autograd.grad(out_t, wanted, grad)
+    out = ours(*args)
+    grads = torch.autograd.grad(out, wanted, grad)
+    assert_accurate(out.detach(), out_t.detach(), out64.detach(), "value")
+    for i, (g, t, r) in enumerate(zip(grads, grads_t, grads64)):
+        assert_accurate(g, t, r, f"grad #{i}")
+
+
 @pytest.mark.parametrize("name", list(_RECOMPUTING))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recomputing_pieces(name, dtype):
@@ -386,18 +406,7 @@ def test_recomputing_pieces(name, dtype):
     args = [randn((2, 5, 3 * D), dtype, "cpu", seed=i) for i in range(n_inputs)]
     if name != "silu_mul":
         args += [randn((D, 3 * D), dtype, "cpu", seed=8), randn((D,), dtype, "cpu", seed=9)]
-    args = [a.requires_grad_() for a in args]
-    args64 = [a.detach().double().requires_grad_() for a in args]
-    out64 = reference(*args64)
-    grad = randn(out64.shape, dtype, "cpu", seed=3)
-    grads64 = torch.autograd.grad(out64, args64, grad.double())
-    out_t = reference(*args)
-    grads_t = torch.autograd.grad(out_t, args, grad)
-    out = ours(*args)
-    grads = torch.autograd.grad(out, args, grad)
-    assert_accurate(out.detach(), out_t.detach(), out64.detach(), "value")
-    for i, (g, t, r) in enumerate(zip(grads, grads_t, grads64)):
-        assert_accurate(g, t, r, f"grad #{i}")
+    check_against_fp64(ours, reference, [a.requires_grad_() for a in args], dtype)
 
 
 @pytest.mark.parametrize("name", list(_RECOMPUTING))
