@@ -86,6 +86,7 @@ from torch import nn
 
 from .pieces import (
     attention_in_pieces,
+    gelu_mlp_recomputed,
     linear_cross_entropy,
     linear_of_gelu,
     linear_of_silu_mul,
@@ -106,6 +107,7 @@ __all__ = [
     "Site",
     "attention_in_pieces",
     "convert",
+    "gelu_mlp_recomputed",
     "linear_cross_entropy",
     "linear_of_gelu",
     "linear_of_silu_mul",
@@ -149,10 +151,11 @@ def convert(
     (linear_cross_entropy), as Liger-Kernel's fused linear cross entropy does.
 
     ``recompute``: what the backward computes again instead of autograd keeping it, trading
-    time for memory where autograd records. ``("mlp",)``: a SwiGLU MLP (Llama's) keeps its
-    input alone, which its norm keeps anyway, and its backward computes the gate and up
-    projections again: two tensors of the MLP's width fewer per token and layer, for two
-    more products per layer (swiglu_recomputed).
+    time for memory where autograd records. ``("mlp",)``: an MLP of linears keeps its input
+    alone, which its norm keeps anyway, and its backward computes the inner projections
+    again: a SwiGLU MLP (Llama's) keeps two tensors of the MLP's width fewer per token and
+    layer for two more products (swiglu_recomputed), a GELU MLP (BERT's) one fewer for one
+    more product (gelu_mlp_recomputed). GPT-2's Conv1D MLP is not matched.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")

@@ -326,6 +326,54 @@ class _SwiGLURecomputed(torch.autograd.Function):
         return grad_x, grad_wg, grad_bg, grad_wu, grad_bu, grad_wd, grad_bd
 
 
+def gelu_mlp_recomputed(
+    x, fc_weight, proj_weight, fc_bias=None, proj_bias=None, approximate="none"
+):
+    """A GELU MLP, F.linear(F.gelu(h, approximate=approximate), proj_weight, proj_bias) with
+    h = F.linear(x, fc_weight, fc_bias), saving x and the weights alone: the backward computes
+    h again (one more product) instead of keeping a tensor of the MLP's width per token
+    (convert's ``recompute=("mlp",)``)."""
+    return _GeluMLPRecomputed.apply(approximate, x, fc_weight, fc_bias, proj_weight, proj_bias)
+
+
+class _GeluMLPRecomputed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, approximate, x, fc_weight, fc_bias, proj_weight, proj_bias):
+        ctx.save_for_backward(x, fc_weight, fc_bias, proj_weight)
+        ctx.approximate = approximate
+        h = F.linear(x, fc_weight, fc_bias)
+        act = torch.ops.aten.gelu_(h, approximate=approximate)  # over h: ours
+        del h
+        return _linear_into_new(act, proj_weight, proj_bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, fc_weight, fc_bias, proj_weight = ctx.saved_tensors
+        _, want_x, want_w1, want_b1, want_w2, want_b2 = ctx.needs_input_grad
+        approximate = ctx.approximate
+        h = F.linear(x, fc_weight, fc_bias)
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_w2 = grad_b2 = None
+        if want_w2:
+            act = F.gelu(h, approximate=approximate)
+            grad_w2 = rows.t() @ act.reshape(-1, act.shape[-1])
+            del act
+        if want_b2:
+            grad_b2 = rows.sum(0)
+        grad_act = grad @ proj_weight
+        if _can_write_over(grad_act, (h,)):  # h is this backward's own
+            gelu_backward = torch.ops.aten.gelu_backward.grad_input
+            grad_h = gelu_backward(grad_act, h, approximate=approximate, grad_input=h)
+        else:
+            grad_h = torch.ops.aten.gelu_backward(grad_act, h, approximate=approximate)
+        del grad_act
+        h_rows, x_rows = grad_h.reshape(-1, grad_h.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x = (h_rows @ fc_weight).view(x.shape) if want_x else None
+        grad_w1 = h_rows.t() @ x_rows if want_w1 else None
+        grad_b1 = h_rows.sum(0) if want_b1 else None
+        return None, grad_x, grad_w1, grad_b1, grad_w2, grad_b2
+
+
 def linear_cross_entropy(
     h: torch.Tensor,
     weight: torch.Tensor,

@@ -39,6 +39,7 @@ from .patterns import (
 )
 from .pieces import (
     attention_in_pieces,
+    gelu_mlp_recomputed,
     linear_cross_entropy,
     linear_of_gelu,
     linear_of_silu_mul,
@@ -410,44 +411,50 @@ class _Rewriter:
             self._site(fn, [family], node, node)
 
     def _recomputed_mlp(self, node, p, weight, bias, family) -> bool:
-        """With recompute=("mlp",), where autograd records: F.linear(silu_mul(g, u), W, b)
-        with g and u linears of one x, read by nothing else -> swiglu_recomputed, which
-        saves x and computes g and u again in the backward. Returns whether it rewrote."""
-        if not (
-            self.recompute_mlp
-            and family == "linear"
-            and isinstance(p, fx.Node)
-            and p.op == "call_function"
-            and p.target is silu_mul
-            and len(p.users) == 1
-        ):
+        """With recompute=("mlp",), where autograd records: an MLP's last linear, of
+        silu_mul(g, u) with g and u linears of one x (SwiGLU) or of F.gelu(h) with h a linear
+        of x, each read by nothing else -> swiglu_recomputed / gelu_mlp_recomputed, which save
+        x and compute g and u (h) again in the backward. Returns whether it rewrote."""
+        if not (self.recompute_mlp and family == "linear" and isinstance(p, fx.Node)):
+            return False
+        if len(p.users) != 1:
+            return False
+        if p.op == "call_function" and p.target is silu_mul:
+            inner, fn, kwargs, act = list(p.args[:2]), swiglu_recomputed, {}, "silu -> mul"
+        elif (m := _match(p, ("gelu",))) is not None:
+            inner, fn, act = [m[1]["input"]], gelu_mlp_recomputed, "gelu"
+            kwargs = {"approximate": m[1]["approximate"]}
+        else:
             return False
         projections = []
-        for proj in p.args[:2]:
+        for proj in inner:
             m = _match(proj, ("linear",)) if isinstance(proj, fx.Node) else None
             if m is None or len(proj.users) != 1:
                 return False
             projections.append(m[1])
-        (gate, up), x = projections, projections[0]["input"]
-        tensors = [_tensor(v) for v in (x, gate["weight"], up["weight"], weight)]
+        x = projections[0]["input"]
+        tensors = [_tensor(v) for v in (x, *(q["weight"] for q in projections), weight)]
         if (
-            up["input"] is not x
+            any(q["input"] is not x for q in projections)
             or any(t is None for t in tensors)
             or len({t.dtype for t in tensors}) != 1
             or any(t.dim() != 2 for t in tensors[1:])
         ):
             return False
-        args = (x, gate["weight"], up["weight"], weight, gate["bias"], up["bias"], bias)
-        g, u = p.args[:2]
-        new = self._substitute(node, swiglu_recomputed, args, {}, erase=[p, g, u])
+        weights = [q["weight"] for q in projections]
+        biases = [q["bias"] for q in projections]
+        args = (x, *weights, weight, *biases, bias)
+        new = self._substitute(node, fn, args, kwargs, erase=[p, *inner])
         self.live.mark_saved(x, new)
         absorbed = self._silu_mul_sites.pop(p, None)
         if absorbed is not None:
             self.sites.remove(absorbed)
-        site = self._site(swiglu_recomputed, ["linear", "linear", "silu -> mul", family], new, new)
+        pattern = ["linear"] * len(inner) + [act, family]
+        site = self._site(fn, pattern, new, new)
+        recomputed = "g and u" if fn is swiglu_recomputed else "h"
         self.sites[-1] = dataclasses.replace(
             site,
-            op=f"{site.op} (recomputes g and u)",
+            op=f"{site.op} (recomputes {recomputed})",
             nbytes=0,
             parts=(absorbed,) if absorbed else (),
         )
