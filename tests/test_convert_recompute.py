@@ -73,24 +73,28 @@ def test_gelu_mlp_recomputed(dtype, bias, frozen, approximate):
     check_against_fp64(ours, reference, args, dtype)
 
 
-def _bert():
+def _gelu_model(kind):
+    """A BERT (nn.Linear MLP) or a GPT-2 (Conv1D MLP: addmm over views)."""
     torch.manual_seed(0)
-    return transformers.BertModel(tiny_hf_config("bert", "sdpa")).train()
+    cls = transformers.BertModel if kind == "bert" else transformers.GPT2Model
+    return cls(tiny_hf_config(kind, "sdpa")).train()
 
 
 def _hidden_loss(out):
     return _masked_sum(out.last_hidden_state)
 
 
-def test_bert_mlp_recomputed_trains():
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_gelu_mlp_recomputed_trains(kind):
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
-    converted = check_training(_bert(), (ids,), _hidden_loss, {"recompute": ("mlp",)})
+    converted = check_training(_gelu_model(kind), (ids,), _hidden_loss, {"recompute": ("mlp",)})
     assert ops_of(converted).count("gelu_mlp_recomputed (recomputes h)") == 2
 
 
-def test_bert_mlp_recomputed_saves_less():
-    model, ids = _bert(), torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
-
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_gelu_mlp_recomputed_saves_less(kind):
+    model = _gelu_model(kind)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def saved(converted):
@@ -109,7 +113,7 @@ def test_bert_mlp_recomputed_saves_less():
 
     kept = saved(mti.convert(model))
     recomputed = saved(mti.convert(model, recompute=("mlp",)))
-    rows, layers, inter = 2 * 12, 2, model.config.intermediate_size
+    rows, layers, inter = 2 * 12, 2, 4 * D  # both models' MLPs are 4 x D wide
     assert recomputed <= kept - layers * rows * inter * 4  # h, float32
 
 

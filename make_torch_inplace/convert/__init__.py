@@ -154,8 +154,8 @@ def convert(
     time for memory where autograd records. ``("mlp",)``: an MLP of linears keeps its input
     alone, which its norm keeps anyway, and its backward computes the inner projections
     again: a SwiGLU MLP (Llama's) keeps two tensors of the MLP's width fewer per token and
-    layer for two more products (swiglu_recomputed), a GELU MLP (BERT's) one fewer for one
-    more product (gelu_mlp_recomputed). GPT-2's Conv1D MLP is not matched.
+    layer for two more products (swiglu_recomputed), a GELU MLP (BERT's, GPT-2's) one fewer
+    for one more product (gelu_mlp_recomputed).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")

@@ -411,13 +411,20 @@ class _Rewriter:
             self._site(fn, [family], node, node)
 
     def _recomputed_mlp(self, node, p, weight, bias, family) -> bool:
-        """With recompute=("mlp",), where autograd records: an MLP's last linear, of
-        silu_mul(g, u) with g and u linears of one x (SwiGLU) or of F.gelu(h) with h a linear
-        of x, each read by nothing else -> swiglu_recomputed / gelu_mlp_recomputed, which save
-        x and compute g and u (h) again in the backward. Returns whether it rewrote."""
-        if not (self.recompute_mlp and family == "linear" and isinstance(p, fx.Node)):
+        """With recompute=("mlp",), where autograd records: an MLP's last linear (or GPT-2's
+        addmm over a view), of silu_mul(g, u) with g and u linears of one x (SwiGLU) or of
+        F.gelu(h) with h a linear of x, each read by nothing else -> swiglu_recomputed /
+        gelu_mlp_recomputed, which save x and compute g and u (h) again in the backward.
+        Returns whether it rewrote."""
+        if not (self.recompute_mlp and family in ("linear", "addmm") and isinstance(p, fx.Node)):
             return False
-        if len(p.users) != 1:
+        erase = []
+        if family == "addmm":  # Conv1D: addmm(b, act.view(-1, n), W) is F.linear(., W.t(), b)
+            if not (p.op == "call_method" and p.target == "view" and len(p.users) == 1):
+                return False
+            erase.append(p)
+            p = p.args[0]
+        if not isinstance(p, fx.Node) or len(p.users) != 1:
             return False
         if p.op == "call_function" and p.target is silu_mul:
             inner, fn, kwargs, act = list(p.args[:2]), swiglu_recomputed, {}, "silu -> mul"
@@ -426,30 +433,31 @@ class _Rewriter:
             kwargs = {"approximate": m[1]["approximate"]}
         else:
             return False
-        projections = []
-        for proj in inner:
-            m = _match(proj, ("linear",)) if isinstance(proj, fx.Node) else None
-            if m is None or len(proj.users) != 1:
-                return False
-            projections.append(m[1])
-        x = projections[0]["input"]
-        tensors = [_tensor(v) for v in (x, *(q["weight"] for q in projections), weight)]
+        projections = [_projection(q) for q in inner]
+        if any(q is None for q in projections):
+            return False
+        x = projections[0][0]
+        layers = [(w, conv) for _, w, _, conv, _ in projections] + [(weight, family == "addmm")]
+        tensors = [_tensor(x)] + [_tensor(w) for w, _ in layers]
         if (
-            any(q["input"] is not x for q in projections)
+            any(q[0] is not x for q in projections)
             or any(t is None for t in tensors)
             or len({t.dtype for t in tensors}) != 1
             or any(t.dim() != 2 for t in tensors[1:])
         ):
             return False
-        weights = [q["weight"] for q in projections]
-        biases = [q["bias"] for q in projections]
-        args = (x, *weights, weight, *biases, bias)
-        new = self._substitute(node, fn, args, kwargs, erase=[p, *inner])
+        weights = [
+            self._insert(node, "t", (w,), _tensor(w).t()) if conv else w for w, conv in layers
+        ]
+        biases = [q[2] for q in projections] + [bias]
+        args = (x, *weights[:-1], weights[-1], *biases)
+        erase += [p] + [n for q in projections for n in q[4]]
+        new = self._substitute(node, fn, args, kwargs, erase)
         self.live.mark_saved(x, new)
         absorbed = self._silu_mul_sites.pop(p, None)
         if absorbed is not None:
             self.sites.remove(absorbed)
-        pattern = ["linear"] * len(inner) + [act, family]
+        pattern = [family] * len(inner) + [act, family]
         site = self._site(fn, pattern, new, new)
         recomputed = "g and u" if fn is swiglu_recomputed else "h"
         self.sites[-1] = dataclasses.replace(
@@ -835,6 +843,25 @@ class _Rewriter:
         )
         self.sites.append(site)
         return site
+
+
+def _projection(node):
+    """(x, weight, bias, conv, nodes) if `node` is an MLP's inner projection read by nothing
+    but the activation: F.linear(x, weight, bias) (conv False), or GPT-2's Conv1D,
+    addmm(bias, x, weight).view(...) with x a (rows, n) view (conv True: x @ weight); nodes
+    are the projection's own, the last computed first. Else None."""
+    if not isinstance(node, fx.Node) or len(node.users) != 1:
+        return None
+    m = _match(node, ("linear",))
+    if m is not None:
+        return m[1]["input"], m[1]["weight"], m[1]["bias"], False, [node]
+    if not (node.op == "call_method" and node.target == "view"):
+        return None
+    fc = node.args[0]
+    m = _match(fc, ("addmm",)) if isinstance(fc, fx.Node) else None
+    if m is None or len(fc.users) != 1 or m[1]["beta"] != 1 or m[1]["alpha"] != 1:
+        return None
+    return m[1]["mat1"], m[1]["mat2"], m[1]["input"], True, [node, fc]
 
 
 def _is_view_or_float(node) -> bool:
