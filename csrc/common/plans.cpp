@@ -48,6 +48,14 @@ void build_row_index(const char* op, const char* name, int64_t lead, const at::T
                     " strided groups; pass ", name, ".contiguous()");
 }
 
+// A tensor whose rows are read or written whole (x, grad, grad_x; `name`): stride 1 within
+// a row.
+void check_unit_stride(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, op, ": ", name,
+                    "'s last dim must have stride 1 (rows may be strided), got stride ",
+                    text(t.stride(-1)), "; pass ", name, ".contiguous()");
+}
+
 }  // namespace
 
 MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
@@ -72,9 +80,7 @@ MatmulPlan plan_square_matmul(const at::Tensor& x, const at::Tensor& weight,
   check_no_internal_overlap(op, x);
   check_no_overlap(op, "weight", x, weight);
   if (bias) check_no_overlap(op, "bias", x, *bias);
-  TORCH_CHECK_VALUE(k <= 1 || x.stride(-1) == 1, op,
-                    ": x's last dim must have stride 1 (rows may be strided), got stride ",
-                    text(x.stride(-1)), "; pass x.contiguous()");
+  check_unit_stride(op, "x", x);
 
   MatmulPlan plan;
   plan.k = k;
@@ -435,14 +441,6 @@ void check_rope_rows(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.size(-1) % 2 == 0, op, ": ", name,
                     "'s last dim must be even (its two halves rotate together), got ",
                     text(t.size(-1)));
-}
-
-// A tensor whose rows are read or written whole (x, grad, grad_x; `name`): stride 1 within
-// a row.
-void check_unit_stride(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, op, ": ", name,
-                    "'s last dim must have stride 1 (rows may be strided), got stride ",
-                    text(t.stride(-1)), "; pass ", name, ".contiguous()");
 }
 
 // cos or sin (`name`) against the rotated tensor (`x_name`): its dtype and device, its last

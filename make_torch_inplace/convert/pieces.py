@@ -3,8 +3,11 @@ dead operand, and attention computed a few heads at a time."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -199,22 +202,28 @@ class _SiluMul(torch.autograd.Function):
         return None, *_silu_mul_grads(grad, g, u)
 
 
-def linear_of_silu_mul(g, u, weight, bias=None, consume=False):
-    """F.linear(silu(g) * u, weight, bias) (a SwiGLU MLP's down projection), saving g and u
-    only: the backward computes silu(g) * u again, which autograd would save for the weight's
-    gradient. consume: as silu_mul's."""
-    over = _silu_mul_grads_over if consume else None
-    return _LinearOfActivation.apply(_silu_mul_value, _silu_mul_grads, over, weight, bias, g, u)
+@dataclasses.dataclass(frozen=True)
+class _Activation:
+    """An activation of one or more tensors as the pieces below compute it: value(*inputs);
+    value_over, the same written over the inputs (the caller's own); grads(grad, *inputs),
+    the inputs' gradients; grads_over, the same written over the inputs."""
+
+    value: Callable
+    value_over: Callable
+    grads: Callable
+    grads_over: Callable
 
 
-def linear_of_gelu(x, weight, bias=None, approximate="none", consume=False):
-    """F.linear(F.gelu(x, approximate=approximate), weight, bias), saving x only: the backward
-    computes the GELU again, which autograd would save for the weight's gradient. consume: as
-    silu_mul's, for x."""
+_SILU_MUL = _Activation(
+    _silu_mul_value,
+    lambda g, u: F.silu(g, inplace=True).mul_(u),
+    _silu_mul_grads,
+    _silu_mul_grads_over,
+)
 
-    def value(x):
-        return F.gelu(x, approximate=approximate)
 
+@functools.cache
+def _gelu(approximate: str) -> _Activation:
     def grads(grad, x):
         return (torch.ops.aten.gelu_backward(grad, x, approximate=approximate),)
 
@@ -222,8 +231,26 @@ def linear_of_gelu(x, weight, bias=None, approximate="none", consume=False):
         gelu_backward = torch.ops.aten.gelu_backward.grad_input
         return (gelu_backward(grad, x, approximate=approximate, grad_input=x),)
 
-    over = grads_over if consume else None
-    return _LinearOfActivation.apply(value, grads, over, weight, bias, x)
+    return _Activation(
+        lambda x: F.gelu(x, approximate=approximate),
+        lambda x: torch.ops.aten.gelu_(x, approximate=approximate),
+        grads,
+        grads_over,
+    )
+
+
+def linear_of_silu_mul(g, u, weight, bias=None, consume=False):
+    """F.linear(silu(g) * u, weight, bias) (a SwiGLU MLP's down projection), saving g and u
+    only: the backward computes silu(g) * u again, which autograd would save for the weight's
+    gradient. consume: as silu_mul's."""
+    return _LinearOfActivation.apply(_SILU_MUL, consume, weight, bias, g, u)
+
+
+def linear_of_gelu(x, weight, bias=None, approximate="none", consume=False):
+    """F.linear(F.gelu(x, approximate=approximate), weight, bias), saving x only: the backward
+    computes the GELU again, which autograd would save for the weight's gradient. consume: as
+    silu_mul's, for x."""
+    return _LinearOfActivation.apply(_gelu(approximate), consume, weight, bias, x)
 
 
 def _linear_into_new(act, weight, bias):
@@ -238,38 +265,51 @@ def _linear_into_new(act, weight, bias):
     return out
 
 
+def _linear_of_activation_grads(grad, act, weight, inputs, wants, consume):
+    """The backward of F.linear(act.value(*inputs), weight, bias): (weight's gradient, bias's,
+    the inputs' gradients), each None where `wants` (weight, bias, any input) says it is not
+    wanted. The weight's gradient computes the activation again; consume: the inputs'
+    gradients may go over them (the caller checked that nothing else reads them)."""
+    want_w, want_b, want_inputs = wants
+    grad_w = grad_b = None
+    rows = grad.reshape(-1, grad.shape[-1])
+    if want_w:
+        value = act.value(*inputs)
+        grad_w = rows.t() @ value.reshape(-1, value.shape[-1])
+        del value
+    if want_b:
+        grad_b = rows.sum(0)
+    grad_inputs = [None] * len(inputs)
+    if want_inputs:
+        grad_act = grad @ weight
+        if consume and _can_write_over(grad_act, inputs):
+            grad_inputs = act.grads_over(grad_act, *inputs)
+        else:
+            grad_inputs = act.grads(grad_act, *inputs)
+    return grad_w, grad_b, grad_inputs
+
+
 class _LinearOfActivation(torch.autograd.Function):
-    """F.linear(value(*inputs), weight, bias), saving the inputs and not value's result;
-    grads(grad_value, *inputs) gives the inputs' gradients, and grads_over (None: none) the
-    same written over the inputs, which the caller has checked nothing else reads or saves."""
+    """F.linear(act.value(*inputs), weight, bias), saving the inputs and not the activation;
+    consume: the backward writes the inputs' gradients over them, where the caller has checked
+    that nothing else reads or saves them."""
 
     @staticmethod
-    def forward(ctx, value, grads, grads_over, weight, bias, *inputs):
+    def forward(ctx, act, consume, weight, bias, *inputs):
         ctx.save_for_backward(weight, *inputs)
-        ctx.grads, ctx.grads_over, ctx.value = grads, grads_over, value
+        ctx.act, ctx.consume = act, consume
         ctx.has_bias = bias is not None
-        return _linear_into_new(value(*inputs), weight, bias)
+        return _linear_into_new(act.value(*inputs), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         weight, *inputs = ctx.saved_tensors
-        want_w, want_b, *want_inputs = ctx.needs_input_grad[3:]
-        grad_w = grad_b = None
-        rows = grad.reshape(-1, grad.shape[-1])
-        if want_w:
-            act = ctx.value(*inputs)
-            grad_w = rows.t() @ act.reshape(-1, act.shape[-1])
-            del act
-        if want_b and ctx.has_bias:
-            grad_b = rows.sum(0)
-        grad_inputs = [None] * len(inputs)
-        if any(want_inputs):
-            grad_act = grad @ weight
-            if ctx.grads_over is not None and _can_write_over(grad_act, inputs):
-                grad_inputs = ctx.grads_over(grad_act, *inputs)
-            else:
-                grad_inputs = ctx.grads(grad_act, *inputs)
-        return None, None, None, grad_w, grad_b, *grad_inputs
+        want_w, want_b, *want_inputs = ctx.needs_input_grad[2:]
+        wants = (want_w, want_b and ctx.has_bias, any(want_inputs))
+        grad_w, grad_b, grad_inputs = _linear_of_activation_grads(
+            grad, ctx.act, weight, inputs, wants, ctx.consume
+        )
+        return None, None, grad_w, grad_b, *grad_inputs
 
 
 def swiglu_recomputed(
@@ -279,51 +319,8 @@ def swiglu_recomputed(
     gate_weight, gate_bias) and u = F.linear(x, up_weight, up_bias), saving x and the weights
     alone: the backward computes g and u again (two more products) instead of keeping two
     tensors of the MLP's width per token (convert's ``recompute=("mlp",)``)."""
-    return _SwiGLURecomputed.apply(
-        x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias
-    )
-
-
-class _SwiGLURecomputed(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias):
-        ctx.save_for_backward(x, gate_weight, gate_bias, up_weight, up_bias, down_weight)
-        g, u = F.linear(x, gate_weight, gate_bias), F.linear(x, up_weight, up_bias)
-        act = F.silu(g, inplace=True).mul_(u)  # over g: ours, read by nothing else
-        del g, u
-        return _linear_into_new(act, down_weight, down_bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, gate_weight, gate_bias, up_weight, up_bias, down_weight = ctx.saved_tensors
-        want_x, want_wg, want_bg, want_wu, want_bu, want_wd, want_bd = ctx.needs_input_grad
-        g, u = F.linear(x, gate_weight, gate_bias), F.linear(x, up_weight, up_bias)
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_wd = grad_bd = None
-        if want_wd:
-            act = _silu_mul_value(g, u)
-            grad_wd = rows.t() @ act.reshape(-1, act.shape[-1])
-            del act
-        if want_bd:
-            grad_bd = rows.sum(0)
-        grad_act = grad @ down_weight
-        # g and u are this backward's own: their gradients go over them.
-        if _can_write_over(grad_act, (g, u)):
-            grad_g, grad_u = _silu_mul_grads_over(grad_act, g, u)
-        else:
-            grad_g, grad_u = _silu_mul_grads(grad_act, g, u)
-        del grad_act
-        width = grad_g.shape[-1]
-        g_rows, u_rows = grad_g.reshape(-1, width), grad_u.reshape(-1, width)
-        x_rows = x.reshape(-1, x.shape[-1])
-        grad_x = None
-        if want_x:
-            grad_x = (g_rows @ gate_weight).addmm_(u_rows, up_weight).view(x.shape)
-        grad_wg = g_rows.t() @ x_rows if want_wg else None
-        grad_wu = u_rows.t() @ x_rows if want_wu else None
-        grad_bg = g_rows.sum(0) if want_bg else None
-        grad_bu = u_rows.sum(0) if want_bu else None
-        return grad_x, grad_wg, grad_bg, grad_wu, grad_bu, grad_wd, grad_bd
+    inner = (gate_weight, gate_bias, up_weight, up_bias)
+    return _RecomputedMLP.apply(_SILU_MUL, x, down_weight, down_bias, *inner)
 
 
 def gelu_mlp_recomputed(
@@ -333,45 +330,48 @@ def gelu_mlp_recomputed(
     h = F.linear(x, fc_weight, fc_bias), saving x and the weights alone: the backward computes
     h again (one more product) instead of keeping a tensor of the MLP's width per token
     (convert's ``recompute=("mlp",)``)."""
-    return _GeluMLPRecomputed.apply(approximate, x, fc_weight, fc_bias, proj_weight, proj_bias)
+    return _RecomputedMLP.apply(_gelu(approximate), x, proj_weight, proj_bias, fc_weight, fc_bias)
 
 
-class _GeluMLPRecomputed(torch.autograd.Function):
+class _RecomputedMLP(torch.autograd.Function):
+    """F.linear(act.value(*hs), down_weight, down_bias) with hs the linears of x by the
+    (weight, bias) pairs in `inner`, saving x and the weights: the backward computes hs again
+    and writes their gradients over them (they are its own)."""
+
     @staticmethod
-    def forward(ctx, approximate, x, fc_weight, fc_bias, proj_weight, proj_bias):
-        ctx.save_for_backward(x, fc_weight, fc_bias, proj_weight)
-        ctx.approximate = approximate
-        h = F.linear(x, fc_weight, fc_bias)
-        act = torch.ops.aten.gelu_(h, approximate=approximate)  # over h: ours
-        del h
-        return _linear_into_new(act, proj_weight, proj_bias)
+    def forward(ctx, act, x, down_weight, down_bias, *inner):
+        ctx.save_for_backward(x, down_weight, *inner)
+        ctx.act = act
+        hs = [F.linear(x, w, b) for w, b in zip(inner[::2], inner[1::2])]
+        value = act.value_over(*hs)  # over hs: ours, read by nothing else
+        del hs
+        return _linear_into_new(value, down_weight, down_bias)
 
     @staticmethod
     def backward(ctx, grad):
-        x, fc_weight, fc_bias, proj_weight = ctx.saved_tensors
-        _, want_x, want_w1, want_b1, want_w2, want_b2 = ctx.needs_input_grad
-        approximate = ctx.approximate
-        h = F.linear(x, fc_weight, fc_bias)
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_w2 = grad_b2 = None
-        if want_w2:
-            act = F.gelu(h, approximate=approximate)
-            grad_w2 = rows.t() @ act.reshape(-1, act.shape[-1])
-            del act
-        if want_b2:
-            grad_b2 = rows.sum(0)
-        grad_act = grad @ proj_weight
-        if _can_write_over(grad_act, (h,)):  # h is this backward's own
-            gelu_backward = torch.ops.aten.gelu_backward.grad_input
-            grad_h = gelu_backward(grad_act, h, approximate=approximate, grad_input=h)
-        else:
-            grad_h = torch.ops.aten.gelu_backward(grad_act, h, approximate=approximate)
-        del grad_act
-        h_rows, x_rows = grad_h.reshape(-1, grad_h.shape[-1]), x.reshape(-1, x.shape[-1])
-        grad_x = (h_rows @ fc_weight).view(x.shape) if want_x else None
-        grad_w1 = h_rows.t() @ x_rows if want_w1 else None
-        grad_b1 = h_rows.sum(0) if want_b1 else None
-        return None, grad_x, grad_w1, grad_b1, grad_w2, grad_b2
+        x, down_weight, *inner = ctx.saved_tensors
+        want_x, want_wd, want_bd, *want_inner = ctx.needs_input_grad[1:]
+        weights, biases = inner[::2], inner[1::2]
+        hs = [F.linear(x, w, b) for w, b in zip(weights, biases)]
+        grad_wd, grad_bd, grad_hs = _linear_of_activation_grads(
+            grad, ctx.act, down_weight, hs, (want_wd, want_bd, True), consume=True
+        )
+        del hs
+        x_rows = x.reshape(-1, x.shape[-1])
+        grad_x, grad_inner = None, []
+        for (want_w, want_b), w, grad_h in zip(
+            zip(want_inner[::2], want_inner[1::2]), weights, grad_hs
+        ):
+            h_rows = grad_h.reshape(-1, grad_h.shape[-1])
+            if want_x:
+                grad_x = h_rows @ w if grad_x is None else grad_x.addmm_(h_rows, w)
+            grad_inner += [
+                h_rows.t() @ x_rows if want_w else None,
+                h_rows.sum(0) if want_b else None,
+            ]
+        if grad_x is not None:
+            grad_x = grad_x.view(x.shape)
+        return None, grad_x, grad_wd, grad_bd, *grad_inner
 
 
 def linear_cross_entropy(
