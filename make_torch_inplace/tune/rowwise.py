@@ -211,6 +211,44 @@ PARAMETERS = [
         "the largest cluster a stashed row takes",
     ),
     _param(
+        "forward.softmax_cta_row_values",
+        (16, 32, 64),
+        _cases(
+            ("softmax", BF16, 4096),
+            ("softmax", BF16, 8192),
+            ("softmax", F16, 12288),
+            ("log_softmax", BF16, 12288),
+            ("softmax", BF16, 8192, True),
+            ("softmax", F32, 4096),
+        ),
+        "values a thread holds of a row that a CTA holds in registers (softmax)",
+    ),
+    _param(
+        "forward.rms_norm_cta_row_values",
+        (16, 32, 64),
+        _cases(
+            ("rms_norm", BF16, 2048),
+            ("rms_norm", BF16, 4096),
+            ("rms_norm", BF16, 8192),
+            ("rms_norm", F16, 12288),
+            ("rms_norm", F32, 8192),
+        ),
+        "values a thread holds of a row that a CTA holds in registers (RMSNorm)",
+    ),
+    _param(
+        "forward.layer_norm_cta_row_values",
+        (16, 32, 64),
+        _cases(
+            ("layer_norm", BF16, 2048),
+            ("layer_norm", BF16, 4096),
+            ("layer_norm", BF16, 8192),
+            ("layer_norm", F16, 8192),
+            ("layer_norm", F32, 4096),
+            ("layer_norm", F32, 8192),
+        ),
+        "values a thread holds of a row that a CTA holds in registers (LayerNorm)",
+    ),
+    _param(
         "forward.params_cta_row_threads",
         (160, 192, 224, 256),
         _cases(

@@ -20,8 +20,8 @@
 //                                   past its causal limit. local() must treat it as absent.
 //   static constexpr bool kKeepsX;  prepare() and local() leave z equal to x (as floats), so
 //                                   a stashed step may be parked in shared memory as T
-//   template <typename T> static constexpr int kCtaRowRegs;   values per thread where a CTA
-//                                   of up to kMaxThreads threads holds a row
+//   static constexpr const Tunable& kCtaRowValues;   the table of the values per thread
+//                                   where a CTA of up to kMaxThreads threads holds a row
 //   struct Row { int64_t load_end; ... };   per-row context; columns >= load_end are not read
 //   Row row(int64_t r, const T* x_row) const;    x_row: the row's first element
 //   template <int VEC> using Aux;   per-vector side input read along with x (mask values)
@@ -343,39 +343,41 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   constexpr int VEC = kVec<T>;
   constexpr int kWarpNV = kWarpRegs / VEC;  // vectors per thread: 8 for fp32, 4 for 16-bit
   constexpr int kCtaNV = kCtaRegs / VEC;
+  constexpr int kCtaRowNV = cta_row_regs(sizeof(T)) / VEC;
   const int64_t vecs = ceil_div(n, VEC);
+  // Launches the register path with `nv` (a power of two of at most kMost) vectors a thread.
+  const auto launch_registers = [&](auto most, int64_t nv, int threads, int tpr) {
+    constexpr int kMost = decltype(most)::value;
+    const auto launch = [&](auto nv_const) {
+      return launch_row_kernel<Op, T, VEC, decltype(nv_const)::value, RowPath::kRegisters>(
+          x, layout, op, threads, tpr, 1, call);
+    };
+    if (nv == 1) return launch(std::integral_constant<int, 1>{});
+    if (nv == 2) return launch(std::integral_constant<int, 2>{});
+    if (nv == 4 || kMost < 8) return launch(std::integral_constant<int, std::min(kMost, 4)>{});
+    return launch(std::integral_constant<int, kMost>{});
+  };
   if (vecs <= kWarpSize * kWarpNV) {
     // Up to a warp per row. The fewest lanes that hold the row with at most kWarpNV vectors
     // each: more bytes in flight per thread and fewer shuffles than spreading the row thin.
     const int tpr = static_cast<int>(next_pow2(ceil_div(vecs, kWarpNV)));
-    const int64_t nv = next_pow2(ceil_div(vecs, tpr));
-    auto launch = [&](auto nv_const) {
-      return launch_row_kernel<Op, T, VEC, decltype(nv_const)::value, RowPath::kRegisters>(
-          x, layout, op, kSmallRowThreads, tpr, 1, call);
-    };
-    switch (nv) {
-      case 1:
-        return launch(std::integral_constant<int, 1>{});
-      case 2:
-        return launch(std::integral_constant<int, 2>{});
-      case 4:
-        return launch(std::integral_constant<int, 4>{});
-      default:
-        return launch(std::integral_constant<int, kWarpNV>{});
-    }
+    return launch_registers(std::integral_constant<int, kWarpNV>{},
+                            next_pow2(ceil_div(vecs, tpr)), kSmallRowThreads, tpr);
   }
-  constexpr int kCtaRowNV = Op::template kCtaRowRegs<T> / VEC;
-  // Rows that would take all kMaxThreads threads at kCtaNV vectors each are what the cluster
-  // path's CTA holds: for ops with params kParamsCtaRowThreads says up to which length they
-  // take a CTA per row here.
+  // A CTA per row, as many threads as it takes at the op's tuned vectors a thread. Rows that
+  // would take all kMaxThreads threads at kCtaNV vectors each are what the cluster path's CTA
+  // holds: for ops with params kParamsCtaRowThreads says up to which length they take a CTA
+  // per row here.
+  const int64_t cta_row_nv =
+      std::clamp<int64_t>(tuned(Op::kCtaRowValues, call.key) / VEC, 1, kCtaRowNV);
   const int64_t cta_row_threads =
-      Op::kParams > 0 && kCtaRowNV == kCtaNV
+      Op::kParams > 0 && cta_row_nv == kCtaNV
           ? std::min<int64_t>(kMaxThreads, tuned(kParamsCtaRowThreads, call.key))
           : kMaxThreads;
-  if (vecs <= cta_row_threads * kCtaRowNV) {  // a CTA per row, as many threads as it takes
-    const int threads = static_cast<int>(round_up(ceil_div(vecs, kCtaRowNV), kWarpSize));
-    return launch_row_kernel<Op, T, VEC, kCtaRowNV, RowPath::kRegisters>(x, layout, op, threads,
-                                                                         threads, 1, call);
+  if (vecs <= cta_row_threads * cta_row_nv) {
+    const int threads = static_cast<int>(round_up(ceil_div(vecs, cta_row_nv), kWarpSize));
+    return launch_registers(std::integral_constant<int, kCtaRowNV>{}, cta_row_nv, threads,
+                            threads);
   }
   // A CTA, or on sm_90+ a cluster of up to max_cluster() CTAs, per row, kCtaNV vectors per
   // thread in registers, and past what registers hold as much again stashed (kStashed);

@@ -142,8 +142,6 @@ struct NormOpBase {
   using State = S;
   static constexpr float kPad = 0.f;
   static constexpr bool kKeepsX = true;  // prepare() and local() change no z
-  template <typename>
-  static constexpr int kCtaRowRegs = kWarpRegs;
   static constexpr int kParams = K;
   template <int VEC>
   using Aux = NoAux;
@@ -183,8 +181,7 @@ using LayerNormState = std::conditional_t<sizeof(T) == 4, PivotSums, MeanM2>;
 
 template <typename T>
 struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
-  template <typename U>
-  static constexpr int kCtaRowRegs = layer_norm_cta_row_regs(sizeof(U));
+  static constexpr const Tunable& kCtaRowValues = kLayerNormCtaRowValues;
   // An fp32 row is reduced relative to its first element (the pivot): with a large common
   // offset the statistics then keep their precision, and the mean never has to be rounded at
   // the offset's magnitude. local() subtracts the pivot on the fly and output() subtracts
@@ -296,6 +293,7 @@ struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
 
 template <typename T>
 struct RmsNormOp : NormOpBase<T, Sum, 1> {  // the sum of squares
+  static constexpr const Tunable& kCtaRowValues = kRmsNormCtaRowValues;
   struct Row {
     int64_t load_end;
   };

@@ -65,9 +65,7 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   using Rows::scale;
   using State = MaxSum;
   using MaskT = typename Rows::template MaskOf<T>;
-  // Rows of a CTA: kWarpRegs values per thread, more threads per row than 64 would give.
-  template <typename>
-  static constexpr int kCtaRowRegs = kWarpRegs;
+  static constexpr const Tunable& kCtaRowValues = kSoftmaxCtaRowValues;
   // An unread column (causal limit, past the end) is a masked one.
   static constexpr float kPad = -INFINITY;
   static constexpr bool kKeepsX = false;  // prepare() scales and masks z, local() exps it
