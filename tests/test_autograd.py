@@ -269,6 +269,7 @@ def test_grads_against_pytorch(device, dtype, case):
 def _ops_on(device):
     """Every op as f(x) with its other arguments fixed (frozen matmul weight)."""
     w = randn((8, 8), torch.float32, device, 60)
+    rope_tables = randn((8,), torch.float32, device, 67), randn((8,), torch.float32, device, 68)
     return {
         "square_matmul_": lambda x: mti.square_matmul_(x, w),
         "linear_": lambda x: mti.linear_(x, w),
@@ -276,6 +277,7 @@ def _ops_on(device):
         "log_softmax_": lambda x: mti.log_softmax_(x),
         "layer_norm_": lambda x: mti.layer_norm_(x, (8,)),
         "rms_norm_": lambda x: mti.rms_norm_(x, (8,)),
+        "rope_": lambda x: mti.rope_(x, *rope_tables),
     }
 
 
