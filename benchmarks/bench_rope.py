@@ -46,9 +46,7 @@ from benchmarks.common import (
     env_info,
     fmt_bytes,
     markdown_table,
-    peak_extra_bytes,
-    place_median,
-    time_alternating,
+    time_and_peak,
     write_results,
 )
 
@@ -176,15 +174,9 @@ def run_case(seq: int, dtype, device: str, impls: dict, args) -> list[dict]:
         else:
             calls = forward_calls(impls, q, k, cos, sin)
         with torch.set_grad_enabled(grad):
-            peaks = {name: peak_extra_bytes(call, device=device) for name, call in calls.items()}
-            reads = time_alternating(
-                list(calls.values()),
-                warmup_ms=args.warmup_ms,
-                rep_ms=args.rep_ms,
-                device=device,
-                gpu_only=device == "cuda",
+            times, peaks = time_and_peak(
+                calls, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, device=device
             )
-        times = dict(zip(calls, (place_median(r) for r in reads)))
         for name, ms in times.items():
             records.append(
                 dict(

@@ -216,6 +216,22 @@ def place_median(by_place: Sequence[Sequence[float]]) -> float:
     return statistics.fmean(statistics.median(at) for at in by_place)
 
 
+def time_and_peak(
+    calls: dict[str, Callable[[], object]], *, warmup_ms: float, rep_ms: float, device
+) -> tuple[dict[str, float], dict[str, int]]:
+    """Each named call's time ({name: ms}, place_median of time_alternating; on CUDA the GPU's
+    time alone) and its peak memory above what was allocated before it ({name: bytes})."""
+    peaks = {name: peak_extra_bytes(call, device=device) for name, call in calls.items()}
+    reads = time_alternating(
+        list(calls.values()),
+        warmup_ms=warmup_ms,
+        rep_ms=rep_ms,
+        device=device,
+        gpu_only=torch.device(device).type == "cuda",
+    )
+    return dict(zip(calls, (place_median(r) for r in reads))), peaks
+
+
 def _repeats(estimate_ms: float, budget_ms: float) -> int:
     return max(1, min(10_000, int(budget_ms / max(estimate_ms, 1e-6))))
 

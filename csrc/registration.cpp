@@ -67,4 +67,11 @@ TORCH_LIBRARY(make_torch_inplace, m) {
   //   grad_x1 <- g1 * c1 + g2 * s2,  grad_x2 <- g2 * c2 - g1 * s1
   // grad_x: grad's shape and dtype, stride(-1) == 1, overlapping none of grad, cos and sin.
   m.def("rope_backward(Tensor grad, Tensor cos, Tensor sin, Tensor(a!) grad_x) -> ()");
+
+  // The backward of h = silu(gate) * up written over its inputs, which the caller no longer
+  // needs: with s = sigmoid(gate),
+  //   up <- grad * gate * s,  gate <- grad * up * s * (1 + gate * (1 - s))
+  // in fp32 (fp64 for float64), each rounded once to the dtype. grad, gate and up: one
+  // shape, dtype and device, contiguous, none overlapping another.
+  m.def("silu_mul_backward_(Tensor grad, Tensor(a!) gate, Tensor(b!) up) -> ()");
 }

@@ -2,7 +2,8 @@
 
 ``import make_torch_inplace.distributed`` registers, with
 ``torch.distributed.tensor.experimental.register_sharding``, a rule for each dispatcher op of
-``torch.ops.make_torch_inplace`` (forward, backward, cross_entropy_ and rope_). Importing needs
+``torch.ops.make_torch_inplace`` (forward, backward, cross_entropy_, rope_ and
+silu_mul_backward_). Importing needs
 no initialised process group; importing ``make_torch_inplace`` alone does not import this
 module.
 
@@ -284,6 +285,15 @@ def _rope_backward_rule(grad, cos, sin, grad_x):
     _check_broadcast(op, "sin", sin, grad, "grad")
     _check_same(op, "grad_x", grad_x, grad, "grad")
     return _as_given(op, grad, cos, sin, grad_x)
+
+
+@_rule(_ops.silu_mul_backward_.default)
+def _silu_mul_backward_rule(grad, gate, up):
+    op = "silu_mul_backward_"
+    _check_overwritten(op, "gate", gate, set(), "")
+    _check_same(op, "up", up, gate, "gate")
+    _check_same(op, "grad", grad, gate, "gate")
+    return _as_given(op, grad, gate, up)
 
 
 # --------------------------------------------------------------------------- buffers

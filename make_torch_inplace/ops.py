@@ -594,3 +594,15 @@ def _rope_fake(x, cos, sin):
 def _rope_backward_fake(grad, cos, sin, grad_x):
     _check_rope_tables("rope_backward", "grad", grad, cos, sin)
     return None
+
+
+@torch.library.register_fake("make_torch_inplace::silu_mul_backward_")
+def _silu_mul_backward_fake(grad, gate, up):
+    # The dtype and shape rules the C++ checks enforce, for fake tensors, which never reach them.
+    for name, t in (("up", up), ("grad", grad)):
+        if t.dtype != gate.dtype or t.shape != gate.shape:
+            raise RuntimeError(
+                f"silu_mul_backward_: {name} must have gate's dtype and shape "
+                f"({gate.dtype}, {tuple(gate.shape)}), got {t.dtype}, {tuple(t.shape)}"
+            )
+    return None

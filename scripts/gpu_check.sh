@@ -141,6 +141,7 @@ else
   bench bench_square_matmul quick
   bench bench_cross_entropy quick
   bench bench_rope quick
+  bench bench_silu_mul
   bench bench_e2e quick
   bench bench_train quick
   # FSDP2 over NCCL needs two GPUs; its results go to benchmarks/results/<gpu>x2/.

@@ -616,6 +616,60 @@ def _rope_backward_odd_dim(d):
     )
 
 
+def _silu_mul(d, **change):
+    """grad, gate and up of one shape, then `change` applied: {name: tensor}."""
+    t = dict(grad=rand(3, 8, device=d), gate=rand(3, 8, device=d), up=rand(3, 8, device=d))
+    t.update(change)
+    return t["grad"], t["gate"], t["up"]
+
+
+def _silu_mul_case(guarded, change, error, message):
+    def case(d):
+        grad, gate, up = _silu_mul(d, **{k: v(d) for k, v in change.items()})
+        x = {"gate": gate, "up": up}[guarded]
+        return x, lambda: _ops.silu_mul_backward_(grad, gate, up), error, message
+
+    return case
+
+
+_silu_mul_int = _silu_mul_case(
+    "up",
+    {"gate": lambda d: torch.ones(3, 8, dtype=torch.int32, device=d)},
+    RuntimeError,
+    "gate must be float32",
+)
+_silu_mul_up_shape = _silu_mul_case(
+    "gate", {"up": lambda d: rand(8, 3, device=d)}, RuntimeError, "up must have gate's shape"
+)
+_silu_mul_grad_dtype = _silu_mul_case(
+    "gate",
+    {"grad": lambda d: rand(3, 8, device=d).double()},
+    RuntimeError,
+    "grad must have gate's dtype",
+)
+_silu_mul_up_strided = _silu_mul_case(
+    "gate", {"up": lambda d: rand(8, 3, device=d).t()}, ValueError, "up must be contiguous"
+)
+_silu_mul_grad_strided = _silu_mul_case(
+    "up", {"grad": lambda d: rand(3, 16, device=d)[:, ::2]}, ValueError, "grad must be contiguous"
+)
+
+
+def _silu_mul_up_is_gate(d):
+    grad, gate, _ = _silu_mul(d)
+    return gate, lambda: _ops.silu_mul_backward_(grad, gate, gate), RuntimeError, "gate overlaps up"
+
+
+def _silu_mul_grad_views_up(d):
+    _, gate, up = _silu_mul(d)
+    return (
+        up,
+        lambda: _ops.silu_mul_backward_(up.view(8, 3), gate.view(8, 3), up.view(8, 3)),
+        RuntimeError,
+        "overlaps",
+    )
+
+
 def _rope_compiled_cos_dtype(d):
     # Under torch.compile the fake kernel refuses it while tracing, before anything runs.
     x = rand(2, 3, 8, device=d)
@@ -712,6 +766,13 @@ CASES = [
     _rope_backward_grad_x_strided,
     _rope_backward_odd_dim,
     _rope_compiled_cos_dtype,
+    _silu_mul_int,
+    _silu_mul_up_shape,
+    _silu_mul_grad_dtype,
+    _silu_mul_up_strided,
+    _silu_mul_grad_strided,
+    _silu_mul_up_is_gate,
+    _silu_mul_grad_views_up,
 ]
 
 # Target values are checked on the host only by the CPU backend.

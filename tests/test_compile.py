@@ -64,6 +64,14 @@ def opcheck_samples(device):
             rope_bwd,
             (r(2, 3, 5, 8), r(5, 8, seed=16), r(1, 3, 5, 8, seed=17), r(2, 3, 5, 8, seed=18)),
         ),
+        "silu_mul_backward": (
+            _ops.silu_mul_backward_,
+            (r(3, 40, seed=19), r(3, 40, seed=20), r(3, 40, seed=21)),
+        ),
+        "silu_mul_backward_bf16": (
+            _ops.silu_mul_backward_,
+            (r(7, dtype=bf16), r(7, seed=22, dtype=bf16), r(7, seed=23, dtype=bf16)),
+        ),
     }
 
 

@@ -195,8 +195,8 @@ def test_attention_in_pieces(
 
 def test_pieces_hold_one_piece_at_a_time():
     """attention_in_pieces allocates its output and one piece of scores at a time, and the
-    SwiGLU backward written over its inputs two pieces of temporaries at a time (an eighth of
-    the workspace limit): never the previous piece's beside the next one's."""
+    SwiGLU backward written over its inputs at most a piece of grad's copy (an eighth of the
+    workspace limit): never the previous piece's beside the next one's."""
     convert_module = importlib.import_module("make_torch_inplace.convert")
     from make_torch_inplace.convert.pieces import _silu_mul_grads_over
 
@@ -207,11 +207,17 @@ def test_pieces_hold_one_piece_at_a_time():
         out = convert_module.attention_in_pieces(q, k.transpose(-1, -2), v, dim=-1)
     assert out.nbytes + limit // 2 < tracker.peak <= out.nbytes + limit
 
-    n, limit = 32, 8 * 2 * 32 * 4 * 4  # four rows a piece
+    # A contiguous grad needs no temporary; a strided one is copied four rows at a time.
+    n, limit = 32, 8 * 32 * 4 * 4
     g, u, grad = (randn((64, n), torch.float32, "cpu", i) for i in range(3))
     tracker = LiveTensors()
     with mti.workspace_limit(limit), tracker:
         _silu_mul_grads_over(grad, g, u)
+    assert tracker.peak == 0
+    strided = randn((n, 64), torch.float32, "cpu", 3).t()
+    tracker = LiveTensors()
+    with mti.workspace_limit(limit), tracker:
+        _silu_mul_grads_over(strided, g, u)
     assert limit // 16 < tracker.peak <= limit // 8
 
 

@@ -30,7 +30,8 @@
                       int64_t reduction, double label_smoothing, const at::Tensor& losses);        \
   void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);                   \
   void rope_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,         \
-                     const at::Tensor& grad_x);
+                     const at::Tensor& grad_x);                                                    \
+  void silu_mul_backward_(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up);
 
 // Registers a backend's entry points for one dispatch key.
 #define MTI_REGISTER_BACKEND_OPS(m, ns)              \
@@ -42,4 +43,5 @@
   m.impl("norm_backward", &ns::norm_backward);       \
   m.impl("cross_entropy_", &ns::cross_entropy_);     \
   m.impl("rope_", &ns::rope_);                       \
-  m.impl("rope_backward", &ns::rope_backward);
+  m.impl("rope_backward", &ns::rope_backward);       \
+  m.impl("silu_mul_backward_", &ns::silu_mul_backward_);

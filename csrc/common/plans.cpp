@@ -529,4 +529,23 @@ RopePlan plan_rope_backward(const at::Tensor& grad, const at::Tensor& cos, const
   return plan;
 }
 
+void check_silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up) {
+  const char* op = "silu_mul_backward_";
+  check_float_dtype(op, "gate", gate);
+  check_like(op, "up", up, "gate", gate);
+  check_like(op, "grad", grad, "gate", gate);
+  for (const auto& [name, t] : {std::pair{"up", &up}, std::pair{"grad", &grad}})
+    TORCH_CHECK(t->sizes().equals(gate.sizes()), op, ": ", name, " must have gate's shape ",
+                text(gate.sizes()), ", got ", text(t->sizes()));
+  for (const auto& [name, t] :
+       {std::pair{"grad", &grad}, std::pair{"gate", &gate}, std::pair{"up", &up}})
+    TORCH_CHECK_VALUE(t->is_contiguous(), op, ": ", name, " must be contiguous; pass ", name,
+                      ".contiguous()");
+  check_no_internal_overlap(op, gate, "gate");
+  check_no_internal_overlap(op, up, "up");
+  check_no_overlap(op, "up", gate, up, "gate");
+  check_no_overlap(op, "grad", gate, grad, "gate");
+  check_no_overlap(op, "grad", up, grad, "up");
+}
+
 }  // namespace mti

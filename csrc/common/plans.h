@@ -110,6 +110,10 @@ RopePlan plan_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor&
 RopePlan plan_rope_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& grad_x);
 
+// silu_mul_backward_: grad, gate and up floating, of one dtype, device and shape, contiguous,
+// none overlapping another or itself.
+void check_silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up);
+
 // `op` is "layer_norm_" or "rms_norm_"; rms_norm_ passes no bias.
 NormPlan plan_norm(const char* op, const at::Tensor& x, at::IntArrayRef normalized_shape,
                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,

@@ -38,6 +38,6 @@ void write_then_bump_versions(const c10::OperatorHandle& op, c10::DispatchKeySet
 TORCH_LIBRARY_IMPL(make_torch_inplace, ADInplaceOrView, m) {
   for (const char* op :
        {"square_matmul_", "softmax_", "layer_norm_", "rms_norm_", "softmax_backward",
-        "norm_backward", "cross_entropy_", "rope_", "rope_backward"})
+        "norm_backward", "cross_entropy_", "rope_", "rope_backward", "silu_mul_backward_"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&write_then_bump_versions>());
 }

@@ -1,7 +1,7 @@
-// The CPU kernels, compiled once per instruction set (vec_kernels.h and rope_kernels.h,
-// instantiated in isa_avx2.cpp with AVX2 + FMA and in isa_base.cpp for any CPU), and the
-// run-time choice between them. The entry points (rowwise.cpp, rowwise_backward.cpp,
-// rope.cpp) call MTI_CPU_ISA_CALL.
+// The CPU kernels, compiled once per instruction set (vec_kernels.h, rope_kernels.h and
+// silu_mul_kernels.h, instantiated in isa_avx2.cpp with AVX2 + FMA and in isa_base.cpp for
+// any CPU), and the run-time choice between them. The entry points (rowwise.cpp,
+// rowwise_backward.cpp, rope.cpp, silu_mul.cpp) call MTI_CPU_ISA_CALL.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,6 +31,11 @@
   void rope_rows(const T* in, T* out, const T* cos, const T* sin, const RopeLayout& L, \
                  bool backward);
 
+// silu_mul_backward_ (silu_mul_kernels.h): n contiguous elements, both gradients over gate
+// and up.
+#define MTI_CPU_SILU_MUL_DECLS(T) \
+  void silu_mul_backward_elems(const T* grad, T* gate, T* up, int64_t n);
+
 #define MTI_CPU_DECLS_ALL              \
   MTI_CPU_ROWWISE_DECLS(float)         \
   MTI_CPU_ROWWISE_DECLS(double)        \
@@ -39,7 +44,11 @@
   MTI_CPU_ROPE_DECLS(float)            \
   MTI_CPU_ROPE_DECLS(double)           \
   MTI_CPU_ROPE_DECLS(c10::Half)        \
-  MTI_CPU_ROPE_DECLS(c10::BFloat16)
+  MTI_CPU_ROPE_DECLS(c10::BFloat16)    \
+  MTI_CPU_SILU_MUL_DECLS(float)        \
+  MTI_CPU_SILU_MUL_DECLS(double)       \
+  MTI_CPU_SILU_MUL_DECLS(c10::Half)    \
+  MTI_CPU_SILU_MUL_DECLS(c10::BFloat16)
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define MTI_CPU_HAVE_AVX2_BUILD 1

@@ -44,6 +44,7 @@
 
 #define MTI_CPU_ISA avx2
 #include "cpu/rope_kernels.h"
+#include "cpu/silu_mul_kernels.h"
 #include "cpu/vec_kernels.h"
 #pragma GCC pop_options
 #undef __AVX__

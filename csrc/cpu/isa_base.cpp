@@ -9,6 +9,7 @@
 
 #define MTI_CPU_ISA base
 #include "cpu/rope_kernels.h"
+#include "cpu/silu_mul_kernels.h"
 #include "cpu/vec_kernels.h"
 
 namespace mti::cpu {

@@ -7,10 +7,8 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
-#include <array>
-#include <type_traits>
-
 #include "cpu/isa.h"
+#include "cpu/opmath_block.h"
 #include "cpu/rowwise_common.h"
 
 #ifndef MTI_CPU_ISA
@@ -19,36 +17,6 @@
 
 namespace mti::cpu::MTI_CPU_ISA {
 namespace {
-
-// The elements of one Vectorized<scalar_t> as opmath vectors: one for fp32 and fp64, two
-// float vectors for the 16-bit types.
-template <typename scalar_t>
-struct OpmathBlock {
-  using acc_t = at::opmath_type<scalar_t>;
-  using Vec = at::vec::Vectorized<acc_t>;
-  static constexpr int kParts = std::is_same_v<acc_t, scalar_t> ? 1 : 2;
-  static constexpr int64_t kSize = at::vec::Vectorized<scalar_t>::size();
-  std::array<Vec, kParts> v;
-
-  static OpmathBlock load(const scalar_t* p) {
-    OpmathBlock b;
-    if constexpr (kParts == 1) {
-      b.v[0] = Vec::loadu(p);
-    } else {
-      const auto [lo, hi] =
-          at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(p));
-      b.v = {lo, hi};
-    }
-    return b;
-  }
-
-  void store(scalar_t* p) const {
-    if constexpr (kParts == 1)
-      v[0].store(p);
-    else
-      at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p);
-  }
-};
 
 // out1 = x1 c1 - x2 s1, out2 = x2 c2 + x1 s2 per row; the backward (the transpose) is the
 // same with (s1, s2) replaced by (-s2, -s1): sin's halves read swapped and negated.

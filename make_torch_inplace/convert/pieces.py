@@ -147,25 +147,32 @@ def _silu_mul_value(g, u):
 
 
 def _silu_mul_grads(grad, g, u):
-    """The gradients of silu(g) * u for g and u: PyTorch's own silu backward."""
-    grad_u = F.silu(g).mul_(grad)
-    return torch.ops.aten.silu_backward(grad * u, g), grad_u
+    """The gradients of silu(g) * u for g and u: _silu_mul_grads_over on copies of g and u,
+    so that they are the same values; in a recorded backward (create_graph), PyTorch's own
+    silu backward, which autograd can differentiate."""
+    if torch.is_grad_enabled():
+        grad_u = F.silu(g).mul_(grad)
+        return torch.ops.aten.silu_backward(grad * u, g), grad_u
+    g, u = (t.clone(memory_format=torch.contiguous_format) for t in (g, u))
+    return _silu_mul_grads_over(grad, g, u)
 
 
 def _silu_mul_grads_over(grad, g, u):
     """_silu_mul_grads written over g and u (saved tensors that nothing reads after this
-    backward), a piece of rows at a time: it allocates two pieces of temporaries (silu(g) and
-    grad * u), which together take at most an eighth of the workspace limit, instead of both
-    gradients and their temporaries whole. Each piece runs the ops of _silu_mul_grads, so the
-    values are the same. g and u: contiguous, of grad's shape and dtype, not sharing memory."""
+    backward) by silu_mul_backward_, one pass with no temporary. A grad that is not contiguous
+    is read a piece of rows at a time through a contiguous copy of at most an eighth of the
+    workspace limit. g and u: contiguous, of grad's shape and dtype, not sharing memory."""
+    if grad.is_contiguous():
+        torch.ops.make_torch_inplace.silu_mul_backward_(grad, g, u)
+        return g, u
     n = g.shape[-1]
-    step = max(1, ops.get_workspace_limit() // (8 * 2 * n * g.element_size()))
+    step = max(1, ops.get_workspace_limit() // (8 * n * g.element_size()))
     g_rows, u_rows, grad_rows = g.view(-1, n), u.view(-1, n), grad.reshape(-1, n)
     for r0 in range(0, g_rows.shape[0], step):
-        g_p, u_p, grad_p = (t[r0 : r0 + step] for t in (g_rows, u_rows, grad_rows))
-        grad_times_u = grad_p * u_p
-        torch.mul(F.silu(g_p), grad_p, out=u_p)
-        torch.ops.aten.silu_backward.grad_input(grad_times_u, g_p, grad_input=g_p)
+        rows = slice(r0, r0 + step)
+        torch.ops.make_torch_inplace.silu_mul_backward_(
+            grad_rows[rows].contiguous(), g_rows[rows], u_rows[rows]
+        )
     return g, u
 
 

@@ -248,6 +248,28 @@ def rope_values(ctx):
     assert_accurate(out, torch_out, truth, "rope_ on a transposed query")
 
 
+@check
+def silu_mul_backward_values(ctx):
+    """Elementwise: every placement of the three tensors alike runs on the local shards."""
+    op = torch.ops.make_torch_inplace.silu_mul_backward_
+    grad, gate, up = (randn((4, 6, 16), F32, "cpu", 90 + i) for i in range(3))
+    g64, u64 = (t.double().requires_grad_() for t in (gate, up))
+    truth = torch.autograd.grad(F.silu(g64) * u64, (g64, u64), grad.double())
+    gf, uf = (t.clone().requires_grad_() for t in (gate, up))
+    torch_out = torch.autograd.grad(F.silu(gf) * uf, (gf, uf), grad)
+    for placements in [*ROWS_3D, [Shard(2)]]:
+        g, u = dt(ctx, gate, placements), dt(ctx, up, placements)
+        ptrs = g.to_local().data_ptr(), u.to_local().data_ptr()
+        with CommDebugMode() as comm:
+            op(dt(ctx, grad, placements), g, u)
+        assert comm.get_total_counts() == 0, comm.get_comm_counts()
+        assert (g.to_local().data_ptr(), u.to_local().data_ptr()) == ptrs, "not in place"
+        for out, t, r, name in zip((g, u), torch_out, truth, ("gate", "up"), strict=True):
+            assert_accurate(out.full_tensor().cpu(), t, r, f"{name} {placements}")
+    g, u = dt(ctx, gate, [Shard(0)]), dt(ctx, up, [Shard(1)])
+    refused(ctx, lambda x: op(dt(ctx, grad, [Shard(0)]), x, u), g, match="up has placements")
+
+
 # --------------------------------------------------------------------------- refusals
 
 

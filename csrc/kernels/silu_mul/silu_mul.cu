@@ -1,0 +1,101 @@
+// silu_mul_backward_ on CUDA (declared in silu_mul.h): an elementwise pass that reads grad,
+// gate and up once and writes both gradients over gate and up. Arrays whose starts are
+// 16-byte aligned move 16 bytes per access (the last n % VEC elements one by one); others run
+// the same kernel one element per access. The grid is kSiluMulCtasPerSm CTAs an SM, striding.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/common.cuh"
+#include "kernels/silu_mul/silu_mul.h"
+#include "kernels/silu_mul/tuning.h"
+
+namespace mti {
+namespace {
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Vec {
+  T v[VEC];
+};
+
+// The two gradients of one element, in A (float, or double for double).
+template <typename A>
+__device__ __forceinline__ void silu_mul_grads(A grad, A& gate, A& up) {
+  const A s = A(1) / (A(1) + exp(-gate));
+  const A d_up = grad * gate * s;
+  gate = grad * up * s * (A(1) + gate * (A(1) - s));
+  up = d_up;
+}
+
+template <typename T>
+__device__ __forceinline__ void element(const T* grad, T* gate, T* up, int64_t i) {
+  using A = acc_type_t<T>;
+  A g = to_acc(gate[i]), u = to_acc(up[i]);
+  silu_mul_grads<A>(to_acc(grad[i]), g, u);
+  gate[i] = from_acc<T>(g);
+  up[i] = from_acc<T>(u);
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kSiluMulThreads)
+    silu_mul_backward_kernel(const T* __restrict__ grad, T* __restrict__ gate, T* __restrict__ up,
+                             int64_t n) {
+  using A = acc_type_t<T>;
+  const int64_t vectors = n / VEC;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  for (int64_t k = first; k < vectors; k += stride) {
+    const Vec<T, VEC> d = reinterpret_cast<const Vec<T, VEC>*>(grad)[k];
+    Vec<T, VEC> g = reinterpret_cast<const Vec<T, VEC>*>(gate)[k];
+    Vec<T, VEC> u = reinterpret_cast<const Vec<T, VEC>*>(up)[k];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      A gj = to_acc(g.v[j]), uj = to_acc(u.v[j]);
+      silu_mul_grads<A>(to_acc(d.v[j]), gj, uj);
+      g.v[j] = from_acc<T>(gj);
+      u.v[j] = from_acc<T>(uj);
+    }
+    reinterpret_cast<Vec<T, VEC>*>(gate)[k] = g;
+    reinterpret_cast<Vec<T, VEC>*>(up)[k] = u;
+  }
+  for (int64_t i = vectors * VEC + first; i < n; i += stride) element(grad, gate, up, i);
+}
+
+template <typename T, int VEC>
+cudaError_t launch(const T* grad, T* gate, T* up, int64_t n, cudaStream_t stream) {
+  DeviceInfo dev;
+  const cudaError_t err = current_device(&dev);
+  if (err != cudaSuccess) return err;
+  const int64_t units = std::max<int64_t>(n / VEC, 1);
+  const int64_t ctas = std::min<int64_t>(ceil_div(units, kSiluMulThreads),
+                                         int64_t{dev.sm_count} * kSiluMulCtasPerSm);
+  silu_mul_backward_kernel<T, VEC>
+      <<<static_cast<unsigned>(ctas), kSiluMulThreads, 0, stream>>>(grad, gate, up, n);
+  return cudaGetLastError();
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+template <typename T>
+cudaError_t launch_silu_mul_backward(const T* grad, T* gate, T* up, int64_t n,
+                                     cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  constexpr int kVec = 16 / sizeof(T);
+  if (aligned16(grad) && aligned16(gate) && aligned16(up))
+    return launch<T, kVec>(grad, gate, up, n, stream);
+  return launch<T, 1>(grad, gate, up, n, stream);
+}
+
+#define MTI_INSTANTIATE(T) \
+  template cudaError_t launch_silu_mul_backward<T>(const T*, T*, T*, int64_t, cudaStream_t);
+MTI_INSTANTIATE(float)
+MTI_INSTANTIATE(__half)
+MTI_INSTANTIATE(__nv_bfloat16)
+MTI_INSTANTIATE(double)
+#undef MTI_INSTANTIATE
+
+}  // namespace mti
