@@ -258,16 +258,17 @@ def silu_mul_backward_values(ctx):
     gf, uf = (t.clone().requires_grad_() for t in (gate, up))
     torch_out = torch.autograd.grad(F.silu(gf) * uf, (gf, uf), grad)
     for placements in [*ROWS_3D, [Shard(2)]]:
-        g, u = dt(ctx, gate, placements), dt(ctx, up, placements)
+        # Copies: a replicated DTensor of a CPU tensor may share its storage.
+        d, g, u = (dt(ctx, t.clone(), placements) for t in (grad, gate, up))
         ptrs = g.to_local().data_ptr(), u.to_local().data_ptr()
         with CommDebugMode() as comm:
-            op(dt(ctx, grad, placements), g, u)
+            op(d, g, u)
         assert comm.get_total_counts() == 0, comm.get_comm_counts()
         assert (g.to_local().data_ptr(), u.to_local().data_ptr()) == ptrs, "not in place"
         for out, t, r, name in zip((g, u), torch_out, truth, ("gate", "up"), strict=True):
             assert_accurate(out.full_tensor().cpu(), t, r, f"{name} {placements}")
-    g, u = dt(ctx, gate, [Shard(0)]), dt(ctx, up, [Shard(1)])
-    refused(ctx, lambda x: op(dt(ctx, grad, [Shard(0)]), x, u), g, match="up has placements")
+    d, g, u = dt(ctx, grad, [Shard(0)]), dt(ctx, gate, [Shard(0)]), dt(ctx, up, [Shard(1)])
+    refused(ctx, lambda x: op(d, x, u), g, match="up has placements")
 
 
 # --------------------------------------------------------------------------- refusals
