@@ -23,6 +23,8 @@ from torch.autograd import gradcheck
 
 import make_torch_inplace as mti
 
+_NAMESPACE = "make_torch_inplace::"
+
 F64 = torch.float64
 
 
@@ -365,3 +367,15 @@ def test_inference_mode(device, name):
     with torch.inference_mode():
         x = randn((3, 8, 8), torch.float32, device, 67)
         assert op(x) is x
+
+
+def test_every_writing_op_bumps_versions():
+    """Every op of the library that writes an argument has the ADInplaceOrView kernel that
+    bumps the written tensors' versions (csrc/common/version_counter.cpp): without it a
+    write under no_grad (or by the raw op) is invisible to autograd's saved-tensor check."""
+    schemas = [s for s in torch._C._jit_get_all_schemas() if s.name.startswith(_NAMESPACE)]
+    assert schemas, "no op of the library is registered"
+    for s in schemas:
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in s.arguments)
+        has = torch._C._dispatch_has_kernel_for_dispatch_key(s.name, "ADInplaceOrView")
+        assert has == writes, f"{s.name}: writes an argument: {writes}, bumps versions: {has}"
