@@ -20,29 +20,21 @@ struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
 };
 
-// The two gradients of one element, in A (float, or double for double).
-template <typename A>
-__device__ __forceinline__ void silu_mul_grads(A grad, A& gate, A& up) {
-  const A s = A(1) / (A(1) + exp(-gate));
-  const A d_up = grad * gate * s;
-  gate = grad * up * s * (A(1) + gate * (A(1) - s));
-  up = d_up;
-}
-
+// The two gradients of one element, computed in A (float, or double for double): with
+// s = sigmoid(gate), up <- grad * gate * s, gate <- grad * up * s * (1 + gate * (1 - s)).
 template <typename T>
-__device__ __forceinline__ void element(const T* grad, T* gate, T* up, int64_t i) {
+__device__ __forceinline__ void silu_mul_grads(T grad, T& gate, T& up) {
   using A = acc_type_t<T>;
-  A g = to_acc(gate[i]), u = to_acc(up[i]);
-  silu_mul_grads<A>(to_acc(grad[i]), g, u);
-  gate[i] = from_acc<T>(g);
-  up[i] = from_acc<T>(u);
+  const A d = to_acc(grad), g = to_acc(gate), u = to_acc(up);
+  const A s = A(1) / (A(1) + exp(-g));
+  up = from_acc<T>(d * g * s);
+  gate = from_acc<T>(d * u * s * (A(1) + g * (A(1) - s)));
 }
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kSiluMulThreads)
     silu_mul_backward_kernel(const T* __restrict__ grad, T* __restrict__ gate, T* __restrict__ up,
                              int64_t n) {
-  using A = acc_type_t<T>;
   const int64_t vectors = n / VEC;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
@@ -51,16 +43,12 @@ __global__ void __launch_bounds__(kSiluMulThreads)
     Vec<T, VEC> g = reinterpret_cast<const Vec<T, VEC>*>(gate)[k];
     Vec<T, VEC> u = reinterpret_cast<const Vec<T, VEC>*>(up)[k];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      A gj = to_acc(g.v[j]), uj = to_acc(u.v[j]);
-      silu_mul_grads<A>(to_acc(d.v[j]), gj, uj);
-      g.v[j] = from_acc<T>(gj);
-      u.v[j] = from_acc<T>(uj);
-    }
+    for (int j = 0; j < VEC; ++j) silu_mul_grads(d.v[j], g.v[j], u.v[j]);
     reinterpret_cast<Vec<T, VEC>*>(gate)[k] = g;
     reinterpret_cast<Vec<T, VEC>*>(up)[k] = u;
   }
-  for (int64_t i = vectors * VEC + first; i < n; i += stride) element(grad, gate, up, i);
+  for (int64_t i = vectors * VEC + first; i < n; i += stride)
+    silu_mul_grads(grad[i], gate[i], up[i]);
 }
 
 template <typename T, int VEC>
