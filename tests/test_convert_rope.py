@@ -2,6 +2,8 @@
 op (fuse.py), rope_ over a dead query or key, and the converted call computes what the model
 computes, in inference and training."""
 
+import collections
+
 import pytest
 import torch
 from convert_helpers import check_converted, ops_of, tiny_hf_config
@@ -70,11 +72,33 @@ def test_learned_cos_is_left_as_written():
     assert "rope_" not in ops_of(converted)
 
 
-def test_rotary_trains():
+def _autograd_nodes(t: torch.Tensor) -> collections.Counter:
+    """How many nodes of each class t's autograd graph has."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            todo += [next_fn for next_fn, _ in fn.next_functions]
+    return collections.Counter(type(fn).__name__ for fn in seen)
+
+
+@pytest.mark.parametrize("frozen_k", [False, True])
+def test_rotary_trains(frozen_k):
+    """The rotations, written over views of the q and k projections, are recorded on the
+    projections, not through CopySlices (whose backward would copy a projection's whole
+    gradient and replay the views through as_strided); the projections' outputs with a bias
+    are themselves views of the 2-D products. With k's projection frozen and x needing no
+    gradient, k needs none: its rope_ is not recorded at all."""
     model = _model()
-    x = randn((2, T, HEADS * HD), torch.float32, "cpu", seed=1).requires_grad_()
+    model.k.requires_grad_(not frozen_k)
+    x = randn((2, T, HEADS * HD), torch.float32, "cpu", seed=1).requires_grad_(not frozen_k)
     converted = check_training(model, (x,), _masked_sum)
     assert ops_of(converted).count("rope_") == 2
+    nodes = _autograd_nodes(_masked_sum(converted(x)))
+    assert nodes["_RopeThroughViewsBackward"] == (1 if frozen_k else 2)
+    # The one in-place op on a view left is the elementwise q_embed * 2 (then + k_embed).
+    assert nodes["CopySlices"] <= 2
 
 
 @pytest.mark.parametrize("grad", [False, True])

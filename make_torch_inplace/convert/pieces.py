@@ -133,6 +133,60 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return ops.rope_(x.clone(), cos, sin)
 
 
+def rope_through_views(base: torch.Tensor, steps: tuple, cos: torch.Tensor, sin: torch.Tensor):
+    """rope_ written over x = base viewed by `steps`, (method, args) pairs replayed in order
+    (a projection's .view(b, s, heads, d).transpose(1, 2)); returns base, whose views the
+    caller takes again. Where base requires grad, autograd records the op on base itself: on
+    the view x it would record it through CopySlices, whose backward copies base's whole
+    gradient, runs the op's backward on an as_strided view of it and copies back. base:
+    contiguous; where it is itself a whole view of a contiguous tensor (F.linear's 3-D output
+    with a bias views its 2-D product), the op is recorded on that tensor."""
+    grads = torch.is_grad_enabled() and (base.requires_grad, cos.requires_grad, sin.requires_grad)
+    if grads == (True, False, False):
+        root = base._base
+        if (
+            root is not None
+            and root.is_contiguous()
+            and root.numel() == base.numel()
+            and root.storage_offset() == base.storage_offset()
+        ):
+            shape = base.shape
+            steps = (("view", (shape,)), *steps)
+            return _RopeThroughViews.apply(root, steps, cos, sin).view(shape)
+        return _RopeThroughViews.apply(base, steps, cos, sin)
+    ops.rope_(_viewed(base, steps), cos, sin)  # refuses cos or sin that require grad
+    return base
+
+
+def _viewed(t: torch.Tensor, steps: tuple) -> torch.Tensor:
+    for method, args in steps:
+        t = getattr(t, method)(*args)
+    return t
+
+
+class _RopeThroughViews(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, base, steps, cos, sin):
+        ops.rope_(_viewed(base, steps), cos, sin)
+        ctx.mark_dirty(base)
+        ctx.save_for_backward(cos, sin)
+        ctx.steps = steps
+        return base
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        # A fresh gradient (grad may be shared with other consumers), contiguous like base, so
+        # that the steps view it as they viewed base.
+        grad = grad.contiguous()
+        grad_base = torch.empty_like(grad)
+        torch.ops.make_torch_inplace.rope_backward(
+            _viewed(grad, ctx.steps), cos, sin, _viewed(grad_base, ctx.steps)
+        )
+        return grad_base, None, None, None
+
+
 def silu_mul(g: torch.Tensor, u: torch.Tensor, consume: bool = False) -> torch.Tensor:
     """F.silu(g) * u (a SwiGLU MLP's gate times its up projection) for g and u of one shape and
     dtype, saving only g and u for the backward, which computes silu(g) again: autograd would

@@ -44,6 +44,7 @@ from .pieces import (
     linear_of_gelu,
     linear_of_silu_mul,
     matmul_over_left,
+    rope_through_views,
     silu_mul,
     square_matmul_over_dead,
     swiglu_recomputed,
@@ -272,8 +273,45 @@ class _Rewriter:
             or not self.live.disjoint(x, [cos, sin])
         ):
             return
-        self._replace(node, ops.rope_, (x, cos, sin), {}, x)
+        viewed = self._recorded_view(x) if self.training else None
+        if viewed is None:
+            self._replace(node, ops.rope_, (x, cos, sin), {}, x)
+        else:
+            # rope_ through the views, recorded on their base; the views are taken again of
+            # the result, for the op's readers.
+            base, chain = viewed
+            steps = tuple((v.target, tuple(v.args[1:])) for v in chain)
+            new = self._replace(node, rope_through_views, (base, steps, cos, sin), {}, base)
+            new.replace_all_uses_with(chain[-1])
+            chain[0].replace_input_with(base, new)
+            for before, v in zip((new, *chain), chain):
+                before.append(v)
+                self.live.pos[v] = self.live.pos[new]
         self._site(ops.rope_, ["rope"], node, node)
+
+    def _recorded_view(self, x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+        """(base, chain) where x is base viewed by the method calls `chain` (view, reshape,
+        transpose, permute, unsqueeze; each read by the next alone, x by the op alone) of a
+        contiguous base that autograd records; else None."""
+        chain, node = [], x
+        while (
+            node.op == "call_method"
+            and node.target in ("view", "reshape", "transpose", "permute", "unsqueeze")
+            and not node.kwargs
+            and len(node.users) == 1
+        ):
+            chain.insert(0, node)
+            node = node.args[0]
+        base = _tensor(node)
+        if (
+            not chain
+            or base is None
+            or not _tensor(x).requires_grad  # (base's may be of the tensor an add_ wrote over)
+            or not base.is_contiguous()
+            or self.live.disjoint(x, [node])  # a reshape that copied
+        ):
+            return None
+        return node, chain
 
     def _elementwise(self, node, family, a) -> None:
         if self.training and family == "mul" and self._silu_mul(node, a):
