@@ -31,7 +31,6 @@ Writes benchmarks/results/<gpu>/rope.json and rope.md.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -42,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import make_torch_inplace as mti
 from benchmarks.common import (
+    contender_parser,
+    contender_records,
     cuda_missing,
-    env_info,
     fmt_bytes,
     markdown_table,
     time_and_peak,
@@ -177,24 +177,8 @@ def run_case(seq: int, dtype, device: str, impls: dict, args) -> list[dict]:
             times, peaks = time_and_peak(
                 calls, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, device=device
             )
-        for name, ms in times.items():
-            records.append(
-                dict(
-                    env_info(),
-                    seq=seq,
-                    dtype=str(dtype).removeprefix("torch."),
-                    pass_=pass_,
-                    impl=name,
-                    ms=ms,
-                    of_copy=times["copy"] / ms,
-                    peak_extra_bytes=peaks[name],
-                    max_err=errors.get(name),
-                )
-            )
-            print(
-                f"  {pass_:>16} {name:>18}: {ms:8.3f} ms  of copy {times['copy'] / ms:5.2f}  "
-                f"peak {fmt_bytes(peaks[name]):>10}  max err {errors.get(name)}"
-            )
+        case = dict(seq=seq, dtype=str(dtype).removeprefix("torch."), pass_=pass_)
+        records += contender_records(case, times, peaks, errors, times["copy"], f"{pass_:>16} ")
         # The in-place contenders rotated q and k: draw them anew for the next pass.
         q, k = heads_view(seq, dtype, device, 1), heads_view(seq, dtype, device, 2)
     return records
@@ -207,15 +191,10 @@ def table(records: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap = contender_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="seq 8192, bf16 only")
     ap.add_argument("--seqs", type=int, nargs="+")
     ap.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--no-liger", action="store_true")
-    ap.add_argument("--warmup-ms", type=float, default=25.0)
-    ap.add_argument("--rep-ms", type=float, default=100.0)
     args = ap.parse_args()
     if cuda_missing("bench_rope.py", args.device):
         return

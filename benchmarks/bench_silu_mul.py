@@ -22,7 +22,6 @@ Writes benchmarks/results/<gpu>/silu_mul.json and silu_mul.md.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import make_torch_inplace  # noqa: F401  (registers the ops)
 from benchmarks.common import (
+    contender_parser,
+    contender_records,
     cuda_missing,
-    env_info,
     fmt_bytes,
     markdown_table,
     time_and_peak,
@@ -83,26 +83,8 @@ def run_case(rows: int, width: int, dtype, device: str, impls: dict, args) -> li
         calls[name] = lambda fn=fn: fn(grad, g_run, u_run)
     times, peaks = time_and_peak(calls, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, device=device)
     copy_ms = times["copy"] * 5 / 4  # the copy moves 4 of the 5 tensors
-    records = []
-    for name, ms in times.items():
-        records.append(
-            dict(
-                env_info(),
-                rows=rows,
-                width=width,
-                dtype=str(dtype).removeprefix("torch."),
-                impl=name,
-                ms=ms,
-                of_copy=copy_ms / ms if name != "copy" else 1.0,
-                peak_extra_bytes=peaks[name],
-                max_err=errors.get(name),
-            )
-        )
-        print(
-            f"  {name:>18}: {ms:8.3f} ms  of copy {records[-1]['of_copy']:5.2f}  "
-            f"peak {fmt_bytes(peaks[name]):>10}  max err {errors.get(name)}"
-        )
-    return records
+    case = dict(rows=rows, width=width, dtype=str(dtype).removeprefix("torch."))
+    return contender_records(case, times, peaks, errors, copy_ms)
 
 
 def table(records: list[dict]) -> str:
@@ -112,13 +94,7 @@ def table(records: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--no-liger", action="store_true")
-    ap.add_argument("--warmup-ms", type=float, default=25.0)
-    ap.add_argument("--rep-ms", type=float, default=100.0)
-    args = ap.parse_args()
+    args = contender_parser(__doc__.split("\n\n")[0]).parse_args()
     if cuda_missing("bench_silu_mul.py", args.device):
         return
     cpu = args.device == "cpu"

@@ -8,6 +8,7 @@ benchmark of two H200s), or to $MTI_RESULTS_DIR when set.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -230,6 +231,45 @@ def time_and_peak(
         gpu_only=torch.device(device).type == "cuda",
     )
     return dict(zip(calls, (place_median(r) for r in reads))), peaks
+
+
+def contender_parser(description: str) -> argparse.ArgumentParser:
+    """A parser with the options of a benchmark of contenders timed by time_and_peak: the
+    device, leaving out torch.compile or Liger-Kernel, and the timing budgets."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-liger", action="store_true")
+    ap.add_argument("--warmup-ms", type=float, default=25.0)
+    ap.add_argument("--rep-ms", type=float, default=100.0)
+    return ap
+
+
+def contender_records(
+    case: dict, times: dict, peaks: dict, errors: dict, copy_ms: float, label: str = ""
+) -> list[dict]:
+    """One record per contender of a case that time_and_peak timed (with a "copy" row):
+    env_info, the case's fields, ms, of_copy (copy_ms / ms; 1 for the copy itself),
+    peak_extra_bytes and max_err (None where not measured); each printed as a line."""
+    records = []
+    for name, ms in times.items():
+        of_copy = 1.0 if name == "copy" else copy_ms / ms
+        records.append(
+            dict(
+                env_info(),
+                **case,
+                impl=name,
+                ms=ms,
+                of_copy=of_copy,
+                peak_extra_bytes=peaks[name],
+                max_err=errors.get(name),
+            )
+        )
+        print(
+            f"  {label}{name:>18}: {ms:8.3f} ms  of copy {of_copy:5.2f}  "
+            f"peak {fmt_bytes(peaks[name]):>10}  max err {errors.get(name)}"
+        )
+    return records
 
 
 def _repeats(estimate_ms: float, budget_ms: float) -> int:

@@ -55,6 +55,20 @@ struct RowIndexer {
   }
 };
 
+// Whether p is a multiple of `align` (nullptr is).
+inline bool ptr_aligned(const void* p, int64_t align) {
+  return reinterpret_cast<uintptr_t>(p) % align == 0;
+}
+
+// Whether `base + rows.offset(r) * elem_bytes` is a multiple of `align` for every row r.
+inline bool rows_aligned(const void* base, const RowIndexer& rows, int64_t elem_bytes,
+                         int64_t align) {
+  if (!ptr_aligned(base, align)) return false;
+  for (int i = 0; i < rows.ndim; ++i)
+    if (rows.sizes[i] > 1 && (rows.strides[i] * elem_bytes) % align != 0) return false;
+  return true;
+}
+
 // x seen as `rows` rows of `n` elements each.
 struct RowLayout {
   int64_t rows = 0;

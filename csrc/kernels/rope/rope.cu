@@ -107,14 +107,6 @@ __global__ void __launch_bounds__(kRopeThreads, kRopeMinCtasPerSm)
   }
 }
 
-// Whether a tensor's rows all start 16-byte aligned: its base and every row stride.
-bool rows_aligned16(const void* base, const RowIndexer& index, int64_t elem_bytes) {
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
-  for (int i = 0; i < index.ndim; ++i)
-    if (index.strides[i] * elem_bytes % 16 != 0) return false;
-  return true;
-}
-
 // Whether rows read the same row of a table (cos, sin) more than once: a broadcast dim.
 bool reread(const RowIndexer& index, int64_t rows) {
   if (index.ndim == 0) return rows > 1;
@@ -162,10 +154,10 @@ cudaError_t launch_rope(const T* in, T* out, const T* cos, const T* sin, const R
   if (layout.rows == 0 || layout.half == 0) return cudaSuccess;
   constexpr int kVec = 16 / sizeof(T);
   const int64_t elem = sizeof(T);
-  const bool aligned = layout.half * elem % 16 == 0 && rows_aligned16(in, layout.in, elem) &&
-                       rows_aligned16(out, layout.out, elem) &&
-                       rows_aligned16(cos, layout.cos, elem) &&
-                       rows_aligned16(sin, layout.sin, elem);
+  const bool aligned = layout.half * elem % 16 == 0 && rows_aligned(in, layout.in, elem, 16) &&
+                       rows_aligned(out, layout.out, elem, 16) &&
+                       rows_aligned(cos, layout.cos, elem, 16) &&
+                       rows_aligned(sin, layout.sin, elem, 16);
   if (aligned) return launch_keeping<T, kVec>(in, out, cos, sin, layout, backward, stream);
   return launch_keeping<T, 1>(in, out, cos, sin, layout, backward, stream);
 }

@@ -169,20 +169,6 @@ inline int64_t next_pow2(int64_t v) {
 
 inline int64_t round_up(int64_t v, int64_t m) { return ceil_div(v, m) * m; }
 
-// Whether `base + offset(r) * elem_bytes` is a multiple of `align` for every row r.
-inline bool rows_aligned(const void* base, const RowIndexer& rows, int64_t elem_bytes,
-                         int64_t align) {
-  if (reinterpret_cast<uintptr_t>(base) % align != 0) return false;
-  for (int i = 0; i < rows.ndim; ++i)
-    if (rows.sizes[i] > 1 && (rows.strides[i] * elem_bytes) % align != 0) return false;
-  return true;
-}
-
-// Whether p is a multiple of `align` (nullptr is).
-inline bool ptr_aligned(const void* p, int64_t align) {
-  return reinterpret_cast<uintptr_t>(p) % align == 0;
-}
-
 // The most CTAs of a cluster that holds a row on this device (1 without clusters).
 inline int max_cluster(const DeviceInfo& dev, const TuningKey& key) {
   return dev.cluster_launch

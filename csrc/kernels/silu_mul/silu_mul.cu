@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "kernels/common.cuh"
+#include "kernels/row_layout.h"
 #include "kernels/silu_mul/silu_mul.h"
 #include "kernels/silu_mul/tuning.h"
 
@@ -61,8 +62,6 @@ cudaError_t launch(const T* grad, T* gate, T* up, int64_t n, cudaStream_t stream
   return cudaGetLastError();
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 template <typename T>
@@ -70,7 +69,7 @@ cudaError_t launch_silu_mul_backward(const T* grad, T* gate, T* up, int64_t n,
                                      cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   constexpr int kVec = 16 / sizeof(T);
-  if (aligned16(grad) && aligned16(gate) && aligned16(up))
+  if (ptr_aligned(grad, 16) && ptr_aligned(gate, 16) && ptr_aligned(up, 16))
     return launch<T, kVec>(grad, gate, up, n, stream);
   return launch<T, 1>(grad, gate, up, n, stream);
 }
