@@ -45,7 +45,12 @@ from benchmarks.common import (
     write_results,
 )
 
-ALL_N = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
+# Powers of two, and model widths that whole warps share evenly only at 3, 5, 6 or 7 vectors a
+# thread (GPT-2 and BERT's 768, the hidden sizes of 1.5B-13B models).
+ALL_N = sorted(
+    [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
+    + [768, 1536, 2560, 3072, 5120]
+)
 QUICK_N = [1024, 16384, 262144]
 ALL_DTYPES = ["float32", "bfloat16", "float16"]
 QUICK_DTYPES = ["bfloat16"]

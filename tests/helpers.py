@@ -47,6 +47,10 @@ ODD_WIDTHS = (1, 3, 255, 1000, 4097)
 # takes the cluster path there), full, the first column past them, a stashed step half full, a
 # cluster whose last CTA holds one vector, and the same with a cluster of four.
 LONG_ROW_WIDTHS = (14344, 16384, 16392, 24576, 32768, 32776, 65544)
+# Model widths whose vectors whole warps share evenly only at 3, 5, 6 or 7 vectors a thread (in
+# one dtype or another), which the CUDA register path then holds, a step that no vector of
+# leaves the row: GPT-2 and BERT (768), and the hidden sizes of 1.5B-13B models.
+EVEN_SPLIT_WIDTHS = (640, 768, 1536, 2560, 3072, 3584, 5120, 7168)
 # The CPU backend runs rows of any width on one path, a row at a time in parallel tasks of
 # 32768 // width rows (at least one): of those widths, one of two rows a task and one of one.
 CPU_LONG_ROW_WIDTHS = (14344, 16392)

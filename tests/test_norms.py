@@ -10,6 +10,7 @@ from helpers import (
     CPU_LONG_ROW_WIDTHS,
     DEVICES,
     DTYPE_PARAMS,
+    EVEN_SPLIT_WIDTHS,
     LAYOUTS,
     LONG_ROW_WIDTHS,
     ROW_STRIDED_LAYOUTS,
@@ -195,6 +196,16 @@ def test_long_row_paths(device, dtype, n):
             device, dtype, (3,), (n,), "contiguous", 50 + seed, with_weight, with_bias, 1e-5
         )
     check_rms_norm(device, dtype, (3,), (n,), "contiguous", 52, True, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device,n", device_params(EVEN_SPLIT_WIDTHS, (768,)))
+def test_rows_that_warps_share_evenly(device, dtype, n):
+    """Model widths whose rows whole warps hold exactly at 3, 5, 6 or 7 vectors a thread,
+    more rows than a wave of CTAs takes."""
+    rows = 3 if device == "cpu" else 1001
+    check_layer_norm(device, dtype, (rows,), (n,), "contiguous", 60, True, True, 1e-5)
+    check_rms_norm(device, dtype, (rows,), (n,), "contiguous", 61, True, None)
 
 
 # The CPU runs every width on one path: one width there (test_wide_rows has rows that span

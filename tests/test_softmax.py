@@ -7,6 +7,7 @@ from helpers import (
     CPU_LONG_ROW_WIDTHS,
     DEVICES,
     DTYPE_PARAMS,
+    EVEN_SPLIT_WIDTHS,
     LAYOUTS,
     LONG_ROW_WIDTHS,
     check_op,
@@ -207,6 +208,19 @@ def test_long_row_paths(device, dtype, log, n):
     check_softmax(device, dtype, log, (2, 3, n), seed=20, causal=True)
     mask = random_mask("bool", (3, n), device, dtype, seed=21)
     check_softmax(device, dtype, log, (3, n), seed=22, mask=mask)
+
+
+@pytest.mark.parametrize("log", LOG_PARAMS)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("device,n", device_params(EVEN_SPLIT_WIDTHS, (768,)))
+def test_rows_that_warps_share_evenly(device, dtype, log, n):
+    """Model widths whose rows whole warps hold exactly at 3, 5, 6 or 7 vectors a thread,
+    more rows than a wave of CTAs takes; with a mask, and causal rows that end mid-row."""
+    rows = 3 if device == "cpu" else 1001
+    check_softmax(device, dtype, log, (rows, n), seed=23, scale=0.5)
+    check_softmax(device, dtype, log, (2, 5, n), seed=24, causal=True)
+    mask = random_mask("bool", (rows, n), device, dtype, seed=25)
+    check_softmax(device, dtype, log, (rows, n), seed=26, mask=mask)
 
 
 @pytest.mark.parametrize("log", LOG_PARAMS)

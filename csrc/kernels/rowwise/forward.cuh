@@ -22,6 +22,8 @@
 //                                   a stashed step may be parked in shared memory as T
 //   static constexpr const Tunable& kCtaRowValues;   the table of the values per thread
 //                                   where a CTA of up to kMaxThreads threads holds a row
+//   static constexpr const Tunable& kRowsPerCta;     the table of the row groups per CTA
+//                                   of its single-CTA launches (see rows_per_unit)
 //   struct Row { int64_t load_end; ... };   per-row context; columns >= load_end are not read
 //   Row row(int64_t r, const T* x_row) const;    x_row: the row's first element
 //   template <int VEC> using Aux;   per-vector side input read along with x (mask values)
@@ -246,11 +248,12 @@ int row_units(const RowCall& call, int threads, int cluster) {
 // rows). A CTA (cluster) per group or two lets the hardware start a new one on an SM whenever
 // one finishes, where resident ones striding over the rows leave some SMs a row more than
 // others at the end; but each CTA then pays its setup (cached params, a cluster's exchange),
-// so only CTAs that cache at most a row's param vectors (kRowsPerCta) and clusters of two that
-// cache nothing (kRowsPerPair) take a set number. `cached`: param vectors each thread caches;
-// `nv`: the vectors it holds of a row (both steps of a stashed one).
-inline int64_t rows_per_unit(const TuningKey& key, int cluster, int cached, int nv) {
-  if (cluster == 1) return cached <= nv ? tuned(kRowsPerCta, key) : 0;
+// so only CTAs that cache at most a row's param vectors (the op's kRowsPerCta) and clusters of
+// two that cache nothing (kRowsPerPair) take a set number. `cached`: param vectors each thread
+// caches; `nv`: the vectors it holds of a row (both steps of a stashed one).
+inline int64_t rows_per_unit(const Tunable& rows_per_cta, const TuningKey& key, int cluster,
+                             int cached, int nv) {
+  if (cluster == 1) return cached <= nv ? tuned(rows_per_cta, key) : 0;
   return cluster == 2 && cached == 0 ? tuned(kRowsPerPair, key) : 0;
 }
 
@@ -260,7 +263,8 @@ cudaError_t launch_row_kernel(T* x, const RowLayout& layout, const Op& op, int t
                               int cluster, const RowCall& call) {
   const int64_t rows_per_cta = tpr > kWarpSize ? 1 : threads / tpr;
   const int64_t row_groups = ceil_div(layout.rows, rows_per_cta);
-  const int64_t per_unit = rows_per_unit(call.key, cluster, kCached, NV * held_steps(kPath));
+  const int64_t per_unit =
+      rows_per_unit(Op::kRowsPerCta, call.key, cluster, kCached, NV * held_steps(kPath));
   int64_t units = 0;
   if (per_unit > 0) {
     units = std::min<int64_t>(ceil_div(row_groups, per_unit),
@@ -311,6 +315,32 @@ cudaError_t launch_caching(T* x, const RowLayout& layout, const Op& op, int clus
   }
 }
 
+// Calls f(std::integral_constant<int, count>{}) for a count of 1 to kMost.
+template <int kMost, class F>
+cudaError_t with_count(int64_t count, F f) {
+  if constexpr (kMost > 1)
+    if (count < kMost) return with_count<kMost - 1>(count, f);
+  return f(std::integral_constant<int, kMost>{});
+}
+
+// The vectors a thread holds of a row of `vecs` vectors that a CTA holds on the register path:
+// `tuned` if whole warps then hold the row exactly, else the nearest count (the larger first,
+// from 3 to twice `tuned`, at most `most`) at which whole warps of at most kMaxThreads do; else
+// `tuned`. A warp with a thread whose vectors reach past the row's end takes the general path,
+// which tests every element (16-bit LayerNorm at n = 1536-7168 ran 1.2-1.5x slower so).
+inline int64_t even_row_nv(int64_t vecs, int64_t tuned, int64_t most) {
+  const auto exact = [&](int64_t nv) {
+    return nv >= 3 && nv <= std::min(most, 2 * tuned) && vecs % (nv * kWarpSize) == 0 &&
+           vecs / nv <= kMaxThreads;
+  };
+  if (vecs % (tuned * kWarpSize) == 0) return tuned;
+  for (int64_t d = 1; d < most; ++d) {
+    if (exact(tuned + d)) return tuned + d;
+    if (exact(tuned - d)) return tuned - d;
+  }
+  return tuned;
+}
+
 // Picks the path (see the top of this file) and launches it. `aligned`: col_stride is 1 and
 // every row start, and every per-column side input the op reads by vectors, is 16-byte
 // aligned; with n a multiple of VEC too, the kernels move 16 bytes per access.
@@ -345,29 +375,25 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
   constexpr int kCtaNV = kCtaRegs / VEC;
   constexpr int kCtaRowNV = cta_row_regs(sizeof(T)) / VEC;
   const int64_t vecs = ceil_div(n, VEC);
-  // Launches the register path with `nv` (a power of two of at most kMost) vectors a thread.
+  // Launches the register path with `nv` (1 to kMost) vectors a thread.
   const auto launch_registers = [&](auto most, int64_t nv, int threads, int tpr) {
-    constexpr int kMost = decltype(most)::value;
-    const auto launch = [&](auto nv_const) {
+    return with_count<decltype(most)::value>(nv, [&](auto nv_const) {
       return launch_row_kernel<Op, T, VEC, decltype(nv_const)::value, RowPath::kRegisters>(
           x, layout, op, threads, tpr, 1, call);
-    };
-    if (nv == 1) return launch(std::integral_constant<int, 1>{});
-    if (nv == 2) return launch(std::integral_constant<int, 2>{});
-    if (nv == 4 || kMost < 8) return launch(std::integral_constant<int, std::min(kMost, 4)>{});
-    return launch(std::integral_constant<int, kMost>{});
+    });
   };
   if (vecs <= kWarpSize * kWarpNV) {
     // Up to a warp per row. The fewest lanes that hold the row with at most kWarpNV vectors
-    // each: more bytes in flight per thread and fewer shuffles than spreading the row thin.
+    // each: more bytes in flight per thread and fewer shuffles than spreading the row thin;
+    // as many vectors each as hold the row exactly where the lanes share it evenly.
     const int tpr = static_cast<int>(next_pow2(ceil_div(vecs, kWarpNV)));
-    return launch_registers(std::integral_constant<int, kWarpNV>{},
-                            next_pow2(ceil_div(vecs, tpr)), kSmallRowThreads, tpr);
+    const int64_t nv = vecs % tpr == 0 ? vecs / tpr : next_pow2(ceil_div(vecs, tpr));
+    return launch_registers(std::integral_constant<int, kWarpNV>{}, nv, kSmallRowThreads, tpr);
   }
-  // A CTA per row, as many threads as it takes at the op's tuned vectors a thread. Rows that
-  // would take all kMaxThreads threads at kCtaNV vectors each are what the cluster path's CTA
-  // holds: for ops with params kParamsCtaRowThreads says up to which length they take a CTA
-  // per row here.
+  // A CTA per row, as many threads as it takes at the op's tuned vectors a thread (or a count
+  // near it at which whole warps hold the row exactly, see even_row_nv). Rows that would take
+  // all kMaxThreads threads at kCtaNV vectors each are what the cluster path's CTA holds: for
+  // ops with params kParamsCtaRowThreads says up to which length they take a CTA per row here.
   const int64_t cta_row_nv =
       std::clamp<int64_t>(tuned(Op::kCtaRowValues, call.key) / VEC, 1, kCtaRowNV);
   const int64_t cta_row_threads =
@@ -375,9 +401,9 @@ cudaError_t launch_rows(T* x, const RowLayout& layout, const Op& op, bool aligne
           ? std::min<int64_t>(kMaxThreads, tuned(kParamsCtaRowThreads, call.key))
           : kMaxThreads;
   if (vecs <= cta_row_threads * cta_row_nv) {
-    const int threads = static_cast<int>(round_up(ceil_div(vecs, cta_row_nv), kWarpSize));
-    return launch_registers(std::integral_constant<int, kCtaRowNV>{}, cta_row_nv, threads,
-                            threads);
+    const int64_t nv = even_row_nv(vecs, cta_row_nv, kCtaRowNV);
+    const int threads = static_cast<int>(round_up(ceil_div(vecs, nv), kWarpSize));
+    return launch_registers(std::integral_constant<int, kCtaRowNV>{}, nv, threads, threads);
   }
   // A CTA, or on sm_90+ a cluster of up to max_cluster() CTAs, per row, kCtaNV vectors per
   // thread in registers, and past what registers hold as much again stashed (kStashed);

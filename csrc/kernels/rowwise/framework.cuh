@@ -31,11 +31,12 @@ struct alignas(sizeof(T) * N) Packed {
 
 // Folds get(0), ..., get(COUNT - 1) with the associative `op` into up to 8 independent
 // partials, then folds those pairwise: a chain of COUNT dependent operations would leave the
-// warp waiting on each one's latency. COUNT is a power of two (NV * VEC).
+// warp waiting on each one's latency. COUNT (NV * VEC) is a power of two or at least 8.
 template <int COUNT, class Get, class Op>
 __device__ __forceinline__ float fold(Get get, Op op) {
-  static_assert(COUNT > 0 && (COUNT & (COUNT - 1)) == 0, "COUNT must be a power of two");
   constexpr int kPartials = COUNT < 8 ? COUNT : 8;
+  static_assert(COUNT > 0 && (kPartials & (kPartials - 1)) == 0,
+                "COUNT must be a power of two or at least 8");
   float acc[kPartials];
 #pragma unroll
   for (int i = 0; i < kPartials; ++i) acc[i] = get(i);

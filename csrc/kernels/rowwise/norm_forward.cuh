@@ -182,6 +182,7 @@ using LayerNormState = std::conditional_t<sizeof(T) == 4, PivotSums, MeanM2>;
 template <typename T>
 struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
   static constexpr const Tunable& kCtaRowValues = kLayerNormCtaRowValues;
+  static constexpr const Tunable& kRowsPerCta = kLayerNormRowsPerCta;
   // An fp32 row is reduced relative to its first element (the pivot): with a large common
   // offset the statistics then keep their precision, and the mean never has to be rounded at
   // the offset's magnitude. local() subtracts the pivot on the fly and output() subtracts
@@ -294,6 +295,7 @@ struct LayerNormOp : NormOpBase<T, LayerNormState<T>, 2> {
 template <typename T>
 struct RmsNormOp : NormOpBase<T, Sum, 1> {  // the sum of squares
   static constexpr const Tunable& kCtaRowValues = kRmsNormCtaRowValues;
+  static constexpr const Tunable& kRowsPerCta = kRmsNormRowsPerCta;
   struct Row {
     int64_t load_end;
   };

@@ -66,6 +66,7 @@ struct SoftmaxOp : SoftmaxRows<kMask> {
   using State = MaxSum;
   using MaskT = typename Rows::template MaskOf<T>;
   static constexpr const Tunable& kCtaRowValues = kSoftmaxCtaRowValues;
+  static constexpr const Tunable& kRowsPerCta = kSoftmaxRowsPerCta;
   // An unread column (causal limit, past the end) is a masked one.
   static constexpr float kPad = -INFINITY;
   static constexpr bool kKeepsX = false;  // prepare() scales and masks z, local() exps it

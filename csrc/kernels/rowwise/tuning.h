@@ -136,8 +136,8 @@ inline constexpr Tunable kStashMaxCluster =
 // cta_row_regs (the kernels compiled). More values a thread keep more bytes in flight per
 // register of bookkeeping; fewer (more threads a row) ran slower everywhere measured.
 inline constexpr TuningRow kSoftmaxCtaRowValuesRows[] = {
-    {on_h200(When{.elem_bytes = 2, .n_min = 8193, .n_max = 12288}), 64,
-     "n = 12288: 2-20% faster, every variant; causal lost 4-7% at n <= 6144 (H200)"},
+    {on_h200(When{.elem_bytes = 2, .n_min = 6145, .n_max = 12288}), 64,
+     "n = 8192-12288: 1-20% faster, masked most; causal lost 4-7% at n <= 6144 (H200)"},
     {When{}, kWarpRegs, "as many as a warp's rows hold"},
 };
 static_assert(ends_in_catch_all(kSoftmaxCtaRowValuesRows));
@@ -169,15 +169,33 @@ static_assert(ends_in_catch_all(kParamsCtaRowThreadsRows));
 inline constexpr Tunable kParamsCtaRowThreads =
     tunable("rowwise.forward.params_cta_row_threads", kParamsCtaRowThreadsRows);
 
-// Row groups per CTA of a single-CTA launch that caches at most one param's vectors (0: a grid
-// of the CTAs resident at once, each striding over the rows).
-inline constexpr TuningRow kRowsPerCtaRows[] = {
-    {on_h200(When{.n_max = 1024}), 2,
-     "bf16 n = 1024: LayerNorm 10%, softmax 5% faster than 1; LayerNorm alone ran 0 faster (H200)"},
+// Row groups per CTA of a single-CTA launch that caches at most one param's vectors, by op (0:
+// a grid of the CTAs resident at once, each striding over the rows).
+inline constexpr TuningRow kSoftmaxRowsPerCtaRows[] = {
+    {on_h200(When{.elem_bytes = 2, .n_max = 8192}), 2,
+     "n = 2048-8192: 2-8% faster than 1, log_softmax and masked too (H200)"},
+    {on_h200(When{.n_max = 1024}), 2, "n = 256-1024: 1-5% faster than 1 (H200)"},
     {When{}, 1, "a new CTA starts on an SM whenever one ends, evening out the last wave"},
 };
-static_assert(ends_in_catch_all(kRowsPerCtaRows));
-inline constexpr Tunable kRowsPerCta = tunable("rowwise.forward.rows_per_cta", kRowsPerCtaRows);
+inline constexpr TuningRow kRmsNormRowsPerCtaRows[] = {
+    {on_h200(When{.n_max = 1024}), 2, "bf16 n = 1024: 1% faster than 1, 3% than 0 (H200)"},
+    {When{}, 1, "a new CTA starts on an SM whenever one ends, evening out the last wave"},
+};
+inline constexpr TuningRow kLayerNormRowsPerCtaRows[] = {
+    {on_h200(When{.elem_bytes = 2, .n_max = 8192}), 0,
+     "n = 256-8192: 2-9% faster than 1 or 2 (H200)"},
+    {on_h200(When{.n_max = 1024}), 2, "fp32 n <= 1024: as softmax's and RMSNorm's (H200)"},
+    {When{}, 1, "a new CTA starts on an SM whenever one ends, evening out the last wave"},
+};
+static_assert(ends_in_catch_all(kSoftmaxRowsPerCtaRows) &&
+              ends_in_catch_all(kRmsNormRowsPerCtaRows) &&
+              ends_in_catch_all(kLayerNormRowsPerCtaRows));
+inline constexpr Tunable kSoftmaxRowsPerCta =
+    tunable("rowwise.forward.softmax_rows_per_cta", kSoftmaxRowsPerCtaRows);
+inline constexpr Tunable kRmsNormRowsPerCta =
+    tunable("rowwise.forward.rms_norm_rows_per_cta", kRmsNormRowsPerCtaRows);
+inline constexpr Tunable kLayerNormRowsPerCta =
+    tunable("rowwise.forward.layer_norm_rows_per_cta", kLayerNormRowsPerCtaRows);
 
 // Rows per cluster of two CTAs that cache nothing (0: a grid of the clusters resident at once,
 // each striding over the rows; larger clusters always do).
