@@ -324,9 +324,9 @@ cudaError_t with_count(int64_t count, F f) {
 }
 
 // The vectors a thread holds of a row of `vecs` vectors that a CTA holds on the register path:
-// `tuned` if whole warps then hold the row exactly, else the nearest count (the larger first,
-// from 3 to twice `tuned`, at most `most`) at which whole warps of at most kMaxThreads do; else
-// `tuned`. A warp with a thread whose vectors reach past the row's end takes the general path,
+// `tuned` if whole warps then hold the row exactly, else the count nearest it (the larger of two
+// as near; from 3 to twice `tuned`, at most `most`) at which whole warps of at most kMaxThreads
+// do; else `tuned`. A warp with a thread whose vectors reach past the row's end takes the general path,
 // which tests every element (16-bit LayerNorm at n = 1536-7168 ran 1.2-1.5x slower so).
 inline int64_t even_row_nv(int64_t vecs, int64_t tuned, int64_t most) {
   const auto exact = [&](int64_t nv) {
