@@ -38,6 +38,10 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// Applies M to each dtype that the kernels taking float64 too are built for (their explicit
+// instantiations).
+#define MTI_FOR_EACH_DTYPE(M) M(float) M(__half) M(__nv_bfloat16) M(double)
+
 // The type a kernel that takes float64 too computes in: double for double, float otherwise.
 template <typename T>
 using acc_type_t = std::conditional_t<std::is_same_v<T, double>, double, float>;

@@ -252,10 +252,7 @@ cudaError_t launch_cross_entropy(T* logits, const RowLayout& layout, const int64
   template cudaError_t launch_cross_entropy<T>(T*, const RowLayout&, const int64_t*,               \
                                                const CrossEntropyParams&, cross_entropy_acc_t<T>*, \
                                                unsigned long long*, cudaStream_t);
-MTI_INSTANTIATE(float)
-MTI_INSTANTIATE(__half)
-MTI_INSTANTIATE(__nv_bfloat16)
-MTI_INSTANTIATE(double)
+MTI_FOR_EACH_DTYPE(MTI_INSTANTIATE)
 #undef MTI_INSTANTIATE
 
 }  // namespace mti

@@ -165,10 +165,7 @@ cudaError_t launch_rope(const T* in, T* out, const T* cos, const T* sin, const R
 #define MTI_INSTANTIATE(T)                                                                       \
   template cudaError_t launch_rope<T>(const T*, T*, const T*, const T*, const RopeLayout&, bool, \
                                       cudaStream_t);
-MTI_INSTANTIATE(float)
-MTI_INSTANTIATE(__half)
-MTI_INSTANTIATE(__nv_bfloat16)
-MTI_INSTANTIATE(double)
+MTI_FOR_EACH_DTYPE(MTI_INSTANTIATE)
 #undef MTI_INSTANTIATE
 
 }  // namespace mti

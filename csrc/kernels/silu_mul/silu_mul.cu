@@ -76,10 +76,7 @@ cudaError_t launch_silu_mul_backward(const T* grad, T* gate, T* up, int64_t n,
 
 #define MTI_INSTANTIATE(T) \
   template cudaError_t launch_silu_mul_backward<T>(const T*, T*, T*, int64_t, cudaStream_t);
-MTI_INSTANTIATE(float)
-MTI_INSTANTIATE(__half)
-MTI_INSTANTIATE(__nv_bfloat16)
-MTI_INSTANTIATE(double)
+MTI_FOR_EACH_DTYPE(MTI_INSTANTIATE)
 #undef MTI_INSTANTIATE
 
 }  // namespace mti
